@@ -1,0 +1,383 @@
+"""Qwen3 dense decoder in Flax NNX (also loads Qwen2- and Llama-family checkpoints).
+
+Weights keep the Hugging Face layout (`(out, in)` for projections) and the Hugging Face module
+names, so `models/hf.py` maps checkpoint tensors to parameters by a name table without
+transposes, and a checkpoint tensor can be sliced straight into its device shard.
+
+Shapes are suffixed: B batch, T new tokens, S cache length, M hidden, H query heads, K kv heads,
+G = H / K, D head_dim, V vocab, I intermediate, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def as_dtype(name_or_dtype) -> jnp.dtype:
+    if isinstance(name_or_dtype, str):
+        if name_or_dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {name_or_dtype!r}; expected one of {sorted(DTYPES)}")
+        return jnp.dtype(DTYPES[name_or_dtype])
+    return jnp.dtype(name_or_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qk_norm: bool = True  # Qwen3: RMSNorm over head_dim on q and k; off for Qwen2 / Llama
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: on)
+    o_bias: bool = False  # bias on o_proj (Llama/Qwen3 attention_bias=True sets it too)
+    max_position_embeddings: int = 40960
+    model_type: str = "qwen3"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    param_dtype: Any = jnp.float32
+    dtype: Any = jnp.float32  # compute dtype; logits and norms are always fp32
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    def replace(self, **kw) -> "Qwen3Config":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def num_params(self) -> int:
+        M, I, D, H, K, V = (self.hidden_size, self.intermediate_size, self.head_dim,
+                            self.num_attention_heads, self.num_key_value_heads, self.vocab_size)
+        attn = M * H * D * 2 + M * K * D * 2 + (2 * D if self.qk_norm else 0)
+        layer = attn + 3 * M * I + 2 * M
+        return V * M * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + M
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, **overrides) -> "Qwen3Config":
+        """Model config from a Hugging Face `config.json` dict (model_type qwen3, qwen2, llama)."""
+        model_type = hf.get("model_type")
+        if model_type not in ("qwen3", "qwen2", "llama"):
+            raise ValueError(f"config.json: unknown model_type {model_type!r}; supported: qwen3, qwen2, llama")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in hf:
+                raise ValueError(f"config.json: missing key {key!r}")
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or {}
+        rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"config.json: rope scaling {rope_type!r} is not supported (only default RoPE)")
+        if hf.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window=true is not supported")
+        if hf.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=true is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        heads = hf["num_attention_heads"]
+        bias = bool(hf.get("attention_bias", False))
+        kw = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            attention_bias=True if model_type == "qwen2" else bias,
+            o_bias=False if model_type == "qwen2" else bias,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            model_type=model_type,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf_config(self) -> dict:
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+        hf = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": jnp.dtype(self.param_dtype).name,
+        }
+        if self.model_type != "qwen2":
+            hf["attention_bias"] = self.attention_bias
+        return hf
+
+
+def _preset(hidden, layers, heads, intermediate, tie) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie, max_position_embeddings=40960,
+        bos_token_id=151643, eos_token_id=151645,
+    )
+
+
+# Values of the official Qwen/Qwen3-*/config.json files.
+PRESETS = {
+    "qwen3-0.6b": _preset(1024, 28, 16, 3072, True),
+    "qwen3-1.7b": _preset(2048, 28, 16, 6144, True),
+    "qwen3-4b": _preset(2560, 36, 32, 9728, True),
+    "qwen3-8b": _preset(4096, 36, 32, 12288, False),
+}
+
+
+class KVCache(NamedTuple):
+    """Contiguous per-row cache. `lengths_B` counts the valid positions of each row."""
+
+    k: tuple[jax.Array, ...]  # L x [B, S, K, D]
+    v: tuple[jax.Array, ...]
+    lengths_B: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: Qwen3Config, batch: int, max_len: int, dtype=None) -> "KVCache":
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = dtype or cfg.dtype
+        z = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+        return cls(z, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)),
+                   jnp.zeros((batch,), jnp.int32))
+
+
+def _normal(rngs: nnx.Rngs, shape, cfg: Qwen3Config):
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * cfg.initializer_range).astype(cfg.param_dtype)
+
+
+class Linear(nnx.Module):
+    """y = x W^T (+ b) with W stored (out, in) as in torch / safetensors."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], cfg: Qwen3Config, *, bias: bool, rngs: nnx.Rngs):
+        self.dtype = cfg.dtype
+        self.weight = nnx.Param(_normal(rngs, (d_out, d_in), cfg), logical_axes=axes)
+        self.bias = nnx.Param(jnp.zeros((d_out,), cfg.param_dtype), logical_axes=axes[:1]) if bias else None
+
+    def __call__(self, x):
+        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, cfg: Qwen3Config):
+        self.eps = cfg.rms_norm_eps
+        self.weight = nnx.Param(jnp.ones((dim,), cfg.param_dtype), logical_axes=("norm",))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope(x_BTND, positions_BT, theta: float):
+    """Rotate-half RoPE, as Hugging Face Llama/Qwen apply it."""
+    d = x_BTND.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    angles_BTD = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)[:, :, None, :]
+    x32 = x_BTND.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * jnp.cos(angles_BTD) + rotated * jnp.sin(angles_BTD)).astype(x_BTND.dtype)
+
+
+def _write_rows(cache_BSKD, new_BTKD, start_B):
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(cache_BSKD, new_BTKD, start_B)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        M, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = Linear(M, H * D, ("q_heads", "embed"), cfg, bias=cfg.attention_bias, rngs=rngs)
+        self.k_proj = Linear(M, K * D, ("kv_heads", "embed"), cfg, bias=cfg.attention_bias, rngs=rngs)
+        self.v_proj = Linear(M, K * D, ("kv_heads", "embed"), cfg, bias=cfg.attention_bias, rngs=rngs)
+        self.o_proj = Linear(H * D, M, ("embed", "q_heads"), cfg, bias=cfg.o_bias, rngs=rngs)
+        self.q_norm = RMSNorm(D, cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg) if cfg.qk_norm else None
+
+    def __call__(self, x_BTM, positions_BT, cache_kv=None, cache_start_B=None):
+        cfg = self.cfg
+        B, T, _ = x_BTM.shape
+        H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_BTHD = self.q_proj(x_BTM).reshape(B, T, H, D)
+        k_BTKD = self.k_proj(x_BTM).reshape(B, T, K, D)
+        v_BTKD = self.v_proj(x_BTM).reshape(B, T, K, D)
+        if self.q_norm is not None:
+            q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
+        q_BTHD = rope(q_BTHD, positions_BT, cfg.rope_theta)
+        k_BTKD = rope(k_BTKD, positions_BT, cfg.rope_theta)
+
+        if cache_kv is None:
+            keys_BSKD, values_BSKD, key_pos_BS = k_BTKD, v_BTKD, positions_BT
+            new_kv = None
+        else:
+            keys_BSKD = _write_rows(cache_kv[0], k_BTKD.astype(cache_kv[0].dtype), cache_start_B)
+            values_BSKD = _write_rows(cache_kv[1], v_BTKD.astype(cache_kv[1].dtype), cache_start_B)
+            key_pos_BS = jnp.broadcast_to(jnp.arange(keys_BSKD.shape[1])[None], (B, keys_BSKD.shape[1]))
+            new_kv = (keys_BSKD, values_BSKD)
+
+        q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
+        scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, keys_BSKD.astype(q_BTKGD.dtype),
+                                  preferred_element_type=jnp.float32) * (D ** -0.5)
+        causal_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+        scores_BKGTS = jnp.where(causal_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(cfg.dtype)
+        out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, values_BSKD.astype(cfg.dtype))
+        return self.o_proj(out_BTKGD.reshape(B, T, H * D)), new_kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        M, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(M, I, ("mlp", "embed"), cfg, bias=False, rngs=rngs)
+        self.up_proj = Linear(M, I, ("mlp", "embed"), cfg, bias=False, rngs=rngs)
+        self.down_proj = Linear(I, M, ("embed", "mlp"), cfg, bias=False, rngs=rngs)
+
+    def __call__(self, x_BTM):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTM)) * self.up_proj(x_BTM))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BTM, positions_BT, cache_kv=None, cache_start_B=None):
+        attn_BTM, new_kv = self.self_attn(self.input_layernorm(x_BTM), positions_BT, cache_kv, cache_start_B)
+        x_BTM = x_BTM + attn_BTM
+        return x_BTM + self.mlp(self.post_attention_layernorm(x_BTM)), new_kv
+
+
+class Qwen3(nnx.Module):
+    """Causal LM. `model(tokens_BT)` -> fp32 logits_BTV; `model.forward(..., cache=)` for decoding."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg),
+                                      logical_axes=("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(
+            _normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg), logical_axes=("vocab", "embed"))
+
+    def _constrain_batch(self, x):
+        if self.mesh is None:
+            return x
+        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if x.shape[0] % split:
+            return x
+        spec = P(("data", "fsdp"), *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def embed(self, tokens_BT):
+        table_VM = self.embed_tokens[...]
+        if self.mesh is not None:
+            # A lookup into a sharded table makes XLA rematerialise it anyway; gather it once.
+            table_VM = jax.lax.with_sharding_constraint(table_VM, NamedSharding(self.mesh, P()))
+        return self._constrain_batch(jnp.take(table_VM, tokens_BT, axis=0).astype(self.cfg.dtype))
+
+    def hidden(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, num_new_B=None):
+        """Final-norm hidden states [B, T, M] and the updated cache (None without one).
+
+        With a cache, token t of row b sits at position `cache.lengths_B[b] + t`; the new lengths
+        are `lengths_B + num_new_B` (default T), so right-padded prefills keep only real tokens.
+        """
+        B, T = tokens_BT.shape
+        if positions_BT is None:
+            start_B = cache.lengths_B if cache is not None else jnp.zeros((B,), jnp.int32)
+            positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        x_BTM = self.embed(tokens_BT)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x_BTM, new_kv = layer(x_BTM, positions_BT, kv, None if cache is None else cache.lengths_B)
+            x_BTM = self._constrain_batch(x_BTM)
+            if new_kv is not None:
+                new_k.append(new_kv[0])
+                new_v.append(new_kv[1])
+        new_cache = None
+        if cache is not None:
+            added = jnp.full((B,), T, jnp.int32) if num_new_B is None else num_new_B.astype(jnp.int32)
+            new_cache = KVCache(tuple(new_k), tuple(new_v), cache.lengths_B + added)
+        return self.norm(x_BTM), new_cache
+
+    def logits(self, hidden_BTM):
+        head_VM = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("btm,vm->btv", hidden_BTM, head_VM.astype(hidden_BTM.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def forward(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, num_new_B=None):
+        hidden_BTM, new_cache = self.hidden(tokens_BT, positions_BT, cache, num_new_B)
+        return self.logits(hidden_BTM), new_cache
+
+    def __call__(self, tokens_BT, positions_BT=None):
+        return self.forward(tokens_BT, positions_BT)[0]
+
+
+def init_model(cfg: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Qwen3:
+    """A randomly initialised model, its parameters placed on `mesh` when one is given."""
+    model = Qwen3(cfg, rngs=nnx.Rngs(seed), mesh=mesh)
+    if mesh is not None:
+        from april_jax.models.sharding import shard_model
+
+        shard_model(model, mesh)
+    return model
+
+
+def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, compute_dtype=None) -> Qwen3:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`."""
+    from april_jax.models import hf
+
+    return hf.load_pretrained(path, param_dtype=dtype, dtype=compute_dtype or dtype, mesh=mesh)
+
+
+def save_pretrained(model: Qwen3, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json + safetensors that `transformers` loads."""
+    from april_jax.models import hf
+
+    hf.save_pretrained(model, path, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,166 @@
+"""Qwen3 model: logits against transformers, HF save/load round trips, KV cache, presets, errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from april_jax.models import qwen3
+from april_jax.models.qwen3 import KVCache, Qwen3Config
+from april_jax.models.safetensors_io import CheckpointError
+from hf_utils import hf_logits, save_tiny, tiny_hf_model
+
+IDS = np.random.RandomState(0).randint(0, 160, size=(3, 13))
+
+CONFIGS = {
+    "untied_gqa2": dict(),
+    "tied": dict(tie_word_embeddings=True),
+    "mha_gqa1": dict(num_key_value_heads=4),
+    "gqa4_3layers": dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3),
+    "head_dim_not_hidden_over_heads": dict(head_dim=24, num_attention_heads=4, num_key_value_heads=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers_qwen3(tmp_path, name):
+    ref = save_tiny(tmp_path, "qwen3", **CONFIGS[name])
+    model = qwen3.from_pretrained(tmp_path)
+    assert model.cfg.qk_norm and model.cfg.tie_word_embeddings == CONFIGS[name].get("tie_word_embeddings", False)
+    ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    assert ours.dtype == np.float32 and ours.shape == (3, 13, 160)
+    assert np.abs(ours - hf_logits(ref, IDS)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("model_type,extra", [("qwen2", {}), ("llama", {"attention_bias": True}), ("llama", {})])
+def test_logits_match_transformers_other_families(tmp_path, model_type, extra):
+    kw = dict(extra)
+    kw.pop("head_dim", None)
+    ref = save_tiny(tmp_path, model_type, **kw)
+    model = qwen3.from_pretrained(tmp_path)
+    assert not model.cfg.qk_norm
+    assert np.abs(np.asarray(model(jnp.asarray(IDS, jnp.int32))) - hf_logits(ref, IDS)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_pretrained_loads_in_transformers(tmp_path, tied):
+    save_tiny(tmp_path / "src", tie_word_embeddings=tied)
+    model = qwen3.from_pretrained(tmp_path / "src")
+    qwen3.save_pretrained(model, tmp_path / "out")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert reloaded.config.tie_word_embeddings == tied
+    ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    assert np.abs(hf_logits(reloaded, IDS) - ours).max() <= 1e-4
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    ref = tiny_hf_model(num_hidden_layers=3)
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 2
+    model = qwen3.from_pretrained(tmp_path / "hf")
+    assert np.abs(np.asarray(model(jnp.asarray(IDS, jnp.int32))) - hf_logits(ref, IDS)).max() <= 1e-4
+    # Our own sharded writer: several files + index, read back by transformers and by us.
+    qwen3.save_pretrained(model, tmp_path / "ours", max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert np.abs(hf_logits(again, IDS) - hf_logits(ref, IDS)).max() <= 1e-5
+
+
+def test_bf16_params(tmp_path):
+    ref = save_tiny(tmp_path)
+    model = qwen3.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+    assert model.layers[0].mlp.up_proj.weight[...].dtype == jnp.bfloat16
+    logits = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    assert logits.dtype == np.float32
+    assert np.abs(logits - hf_logits(ref, IDS)).max() < 0.1  # bf16 rounding only
+
+
+def test_kv_cache_prefill_then_decode_equals_full_forward(tmp_path):
+    save_tiny(tmp_path, num_attention_heads=8, num_key_value_heads=2)
+    model = qwen3.from_pretrained(tmp_path)
+    full = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
+    # Rows prefill different lengths (right-padded), then decode one token at a time.
+    prefill_lengths = np.array([5, 1, 9], np.int32)
+    padded = np.where(np.arange(9)[None] < prefill_lengths[:, None], IDS[:, :9], 0)
+    cache = KVCache.zeros(model.cfg, batch=3, max_len=16)
+    logits, cache = model.forward(jnp.asarray(padded, jnp.int32), cache=cache, num_new_B=jnp.asarray(prefill_lengths))
+    for row, n in enumerate(prefill_lengths):
+        np.testing.assert_allclose(np.asarray(logits)[row, :n], full[row, :n], atol=1e-4)
+    assert cache.lengths_B.tolist() == prefill_lengths.tolist()
+    positions = prefill_lengths.copy()
+    for _ in range(13 - 9):
+        step_ids = IDS[np.arange(3), positions][:, None]
+        logits, cache = model.forward(jnp.asarray(step_ids, jnp.int32), cache=cache)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[np.arange(3), positions], atol=1e-4)
+        positions += 1
+
+
+def test_presets_match_official_configs():
+    expected = {  # Qwen/Qwen3-*/config.json
+        "qwen3-0.6b": (1024, 28, 16, 8, 3072, True),
+        "qwen3-1.7b": (2048, 28, 16, 8, 6144, True),
+        "qwen3-4b": (2560, 36, 32, 8, 9728, True),
+        "qwen3-8b": (4096, 36, 32, 8, 12288, False),
+    }
+    for name, (hidden, layers, heads, kv, inter, tie) in expected.items():
+        c = qwen3.PRESETS[name]
+        assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                c.intermediate_size, c.tie_word_embeddings) == (hidden, layers, heads, kv, inter, tie)
+        assert (c.head_dim, c.vocab_size, c.rope_theta) == (128, 151936, 1e6)
+    assert 7.5e9 < qwen3.PRESETS["qwen3-8b"].num_params < 8.5e9
+    assert 3.8e9 < qwen3.PRESETS["qwen3-4b"].num_params < 4.2e9
+
+
+def test_hf_config_round_trip():
+    cfg = qwen3.PRESETS["qwen3-4b"]
+    assert Qwen3Config.from_hf_config(cfg.to_hf_config()) == cfg
+    hf = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf_config().items() if k != "rope_scaling"})
+    assert Qwen3Config.from_hf_config(hf.to_dict()) == cfg
+
+
+# ---- bad input: one clear error naming the culprit ----
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        qwen3.from_pretrained(tmp_path)
+
+
+def test_unknown_model_type(tmp_path):
+    save_tiny(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "mixtral"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unknown model_type 'mixtral'"):
+        qwen3.from_pretrained(tmp_path)
+
+
+def test_missing_tensor_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    save_tiny(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        qwen3.from_pretrained(tmp_path)
+
+
+def test_wrong_shape_named(tmp_path):
+    save_tiny(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 96\), expected \(64, 128\)"):
+        qwen3.from_pretrained(tmp_path)
+
+
+def test_missing_weights_file(tmp_path):
+    save_tiny(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        qwen3.from_pretrained(tmp_path)
