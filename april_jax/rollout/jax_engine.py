@@ -1,0 +1,260 @@
+"""Embedded JAX rollout engine: continuous batching over fixed slots, abort with partial results.
+
+Usage (the interface every engine implements):
+
+    engine = JaxEngine(model, max_num_seqs=16, max_model_len=1024)
+    engine.submit([Request("a", prompt_ids, max_new_tokens=256, sampling=SamplingParams(0.8))])
+    while engine.has_unfinished():
+        for result in engine.step():      # results come out as they finish
+            ...
+    partial = engine.abort(["a"])         # or engine.abort_all(): tokens generated so far
+    engine.update_weights(params, version=3)
+
+Results are polled: `step()` runs one engine iteration (refill free slots, one decode step for
+every busy slot) and returns the requests that finished in it; `run()` iterates results until
+the engine is idle.
+
+KV cache: contiguous, one row of `max_model_len` positions per slot. Why not paged: JAX wants
+static shapes, so a paged cache still needs a static page table and gather-based attention;
+on CPU and at the sizes this engine serves (tens of slots, a few thousand positions) the
+contiguous cache costs less compute, no indirection, and a slot is refilled by overwriting its row.
+The price is memory reserved for `max_model_len` per slot; for long contexts at high concurrency
+use the vLLM engine, whose paged cache is the point of it.
+
+Prefill is per request, padded to a bucket length (powers of two up to `max_model_len`), so at
+most log2(max_model_len) prefill programs compile; decode is one jitted call for the whole batch
+with the cache donated. Weights swapped by `update_weights` apply from the next token on; the KV
+cache of in-flight requests is kept (as vLLM does), and every token records the version that
+sampled it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from functools import partial
+from typing import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from april_jax.models.qwen3 import KVCache, Qwen3
+from april_jax.rollout import sampling
+from april_jax.rollout.types import Request, Result
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    seed: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+    def result(self, reason: str) -> Result:
+        return Result(self.request.request_id, list(self.tokens), list(self.logprobs), list(self.versions), reason)
+
+
+def _slot_rows(cache: KVCache, slot):
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)
+    return KVCache(tuple(map(take, cache.k)), tuple(map(take, cache.v)), jnp.zeros((1,), jnp.int32))
+
+
+@partial(jax.jit, static_argnames=("graphdef", "truncate"), donate_argnames=("cache",))
+def _prefill(graphdef, state, cache: KVCache, slot, tokens_1T, length, temperature, top_p, top_k, seed, *, truncate):
+    model = nnx.merge(graphdef, state)
+    logits_1TV, rows = model.forward(tokens_1T, cache=_slot_rows(cache, slot), num_new_B=length[None])
+    last_1V = jax.lax.dynamic_slice_in_dim(logits_1TV[0], length - 1, 1, axis=0)
+    keys = sampling.request_keys(seed[None], jnp.zeros((1,), jnp.int32))
+    token, logprob = sampling.sample(last_1V, keys, temperature[None], top_p[None], top_k[None], truncate=truncate)
+    put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0)
+    new_cache = KVCache(tuple(map(put, cache.k, rows.k)), tuple(map(put, cache.v, rows.v)),
+                        cache.lengths_B.at[slot].set(length))
+    return new_cache, token[0], logprob[0]
+
+
+@partial(jax.jit, static_argnames=("graphdef", "truncate"), donate_argnames=("cache",))
+def _decode(graphdef, state, cache: KVCache, tokens_B, active_B, temperature_B, top_p_B, top_k_B, seeds_B, steps_B,
+            *, truncate):
+    model = nnx.merge(graphdef, state)
+    logits_B1V, cache = model.forward(tokens_B[:, None], cache=cache, num_new_B=active_B.astype(jnp.int32))
+    keys = sampling.request_keys(seeds_B, steps_B)
+    tokens, logprobs = sampling.sample(logits_B1V[:, 0], keys, temperature_B, top_p_B, top_k_B, truncate=truncate)
+    return cache, tokens, logprobs
+
+
+def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
+    buckets, b = [], smallest
+    while b < max_model_len:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets) + (max_model_len,)
+
+
+class JaxEngine:
+    def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
+                 policy_version: int = 0, cache_dtype=None):
+        if max_num_seqs <= 0 or max_model_len <= 1:
+            raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len} must be positive")
+        self.graphdef, self._state = nnx.split(model)
+        self.cfg = model.cfg
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.buckets = prefill_buckets(max_model_len)
+        self.policy_version = policy_version
+        self._cache = KVCache.zeros(self.cfg, max_num_seqs, max_model_len, cache_dtype)
+        self._slots: list[_Slot | None] = [None] * max_num_seqs
+        self._queue: collections.deque[tuple[Request, int]] = collections.deque()
+        self._ready: list[Result] = []  # finished outside a step (bad requests)
+        self._seeds = np.random.default_rng(seed)
+        self._next_token = np.zeros(max_num_seqs, np.int32)
+        self._t0 = time.perf_counter()
+        self._stats = collections.Counter()
+        self.timeline: list[tuple[float, int]] = []  # (seconds since start, busy slots) per decode step
+
+    # ---- interface ----
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue requests. A bad one finishes at once with finish_reason 'error' and a reason."""
+        for request in requests:
+            problem = request.validate(self.max_model_len)
+            if problem is not None:
+                self._ready.append(Result(request.request_id, [], [], [], "error", problem))
+                self._stats["errors"] += 1
+                continue
+            seed = request.sampling.seed
+            self._queue.append((request, int(self._seeds.integers(2**31)) if seed is None else int(seed)))
+
+    def step(self) -> list[Result]:
+        """Refill free slots, run one decode step; the results that finished in it."""
+        t = time.perf_counter()
+        finished, self._ready = self._ready, []
+        for slot in range(self.max_num_seqs):
+            if self._slots[slot] is None and self._queue:
+                self._start(slot, *self._queue.popleft(), finished)
+        busy = [i for i, s in enumerate(self._slots) if s is not None]
+        if busy:
+            self._decode_step(busy, finished)
+        self._stats["time_s_x1e6"] += int((time.perf_counter() - t) * 1e6)
+        return finished
+
+    def run(self) -> Iterator[Result]:
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, requests: Iterable[Request]) -> dict[str, Result]:
+        self.submit(requests)
+        return {r.request_id: r for r in self.run()}
+
+    def abort(self, request_ids: Iterable[str]) -> list[Result]:
+        """Stop these requests; their results hold exactly the tokens generated so far."""
+        ids = set(request_ids)
+        out = [Result(r.request_id, [], [], [], "abort") for r, _ in self._queue if r.request_id in ids]
+        self._queue = collections.deque((r, s) for r, s in self._queue if r.request_id not in ids)
+        for i, slot in enumerate(self._slots):
+            if slot is not None and slot.request.request_id in ids:
+                out.append(slot.result("abort"))
+                self._slots[i] = None
+        self._stats["aborted"] += len(out)
+        return out
+
+    def abort_all(self) -> list[Result]:
+        ids = [r.request_id for r, _ in self._queue] + [s.request.request_id for s in self._slots if s is not None]
+        return self.abort(ids)
+
+    def update_weights(self, params, version: int) -> None:
+        """New parameters (an nnx.State of the same model, or the model) for every later token."""
+        state = nnx.state(params) if isinstance(params, nnx.Module) else params
+        state = jax.tree.map(lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
+                             state, self._state)
+        self._state = state
+        self.policy_version = int(version)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue or self._ready or any(s is not None for s in self._slots))
+
+    def num_unfinished(self) -> int:
+        return len(self._queue) + sum(s is not None for s in self._slots)
+
+    def stats(self) -> dict:
+        s = self._stats
+        steps = max(s["decode_steps"], 1)
+        return {
+            "slots": self.max_num_seqs,
+            "busy_slots": sum(x is not None for x in self._slots),
+            "queued": len(self._queue),
+            "tokens_generated": s["tokens_generated"],
+            "prefill_tokens": s["prefill_tokens"],
+            "decode_steps": s["decode_steps"],
+            "occupancy": s["busy_slot_steps"] / (steps * self.max_num_seqs),
+            "aborted": s["aborted"],
+            "errors": s["errors"],
+            "time_s": s["time_s_x1e6"] / 1e6,
+            "policy_version": self.policy_version,
+        }
+
+    def now(self) -> float:
+        """Seconds since the engine started (the clock APRIL measures throughput with)."""
+        return time.perf_counter() - self._t0
+
+    def shutdown(self) -> None:
+        self.abort_all()
+        self._cache = None
+
+    # ---- internals ----
+    def _start(self, slot: int, request: Request, seed: int, finished: list[Result]) -> None:
+        n = len(request.prompt_ids)
+        bucket = next(b for b in self.buckets if b >= n)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n] = request.prompt_ids
+        s = request.sampling
+        self._cache, token, logprob = _prefill(
+            self.graphdef, self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n),
+            jnp.float32(s.temperature), jnp.float32(s.top_p), jnp.int32(s.top_k), jnp.int32(seed),
+            truncate=s.temperature > 0 and (s.top_p < 1.0 or s.top_k > 0))
+        self._stats["prefill_tokens"] += n
+        state = _Slot(request, seed)
+        self._slots[slot] = state
+        self._append(slot, int(token), float(logprob), finished)
+
+    def _decode_step(self, busy: list[int], finished: list[Result]) -> None:
+        S = self.max_num_seqs
+        active = np.zeros(S, bool)
+        active[busy] = True
+        temp, top_p, top_k = np.zeros(S, np.float32), np.ones(S, np.float32), np.zeros(S, np.int32)
+        seeds, steps = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        for i in busy:
+            slot = self._slots[i]
+            p = slot.request.sampling
+            temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+            seeds[i], steps[i] = slot.seed, len(slot.tokens)
+        truncate = bool(np.any((temp > 0) & ((top_p < 1.0) | (top_k > 0))))
+        self._cache, tokens, logprobs = _decode(
+            self.graphdef, self._state, self._cache, jnp.asarray(self._next_token), jnp.asarray(active),
+            jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k), jnp.asarray(seeds), jnp.asarray(steps),
+            truncate=truncate)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        self._stats["decode_steps"] += 1
+        self._stats["busy_slot_steps"] += len(busy)
+        self.timeline.append((self.now(), len(busy)))
+        for i in busy:
+            self._append(i, int(tokens[i]), float(logprobs[i]), finished)
+
+    def _append(self, i: int, token: int, logprob: float, finished: list[Result]) -> None:
+        slot = self._slots[i]
+        slot.tokens.append(token)
+        slot.logprobs.append(logprob)
+        slot.versions.append(self.policy_version)
+        self._next_token[i] = token
+        self._stats["tokens_generated"] += 1
+        request = slot.request
+        if token in request.stop_token_ids:
+            reason = "stop"
+        elif len(slot.tokens) >= request.max_new_tokens or len(request.prompt_ids) + len(slot.tokens) >= self.max_model_len:
+            reason = "length"
+        else:
+            return
+        finished.append(slot.result(reason))
+        self._slots[i] = None

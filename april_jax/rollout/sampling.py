@@ -1,0 +1,47 @@
+"""Per-row sampling for a decode batch, and the logprob each sampled token is reported with.
+
+The reported logprob is `log_softmax(logits / temperature)[token]`: the temperature-scaled full
+distribution, the one the trainer recomputes by teacher forcing. Top-k / top-p only restrict which
+tokens can be drawn; they do not renormalise the reported logprob (the trainer cannot reproduce a
+truncation it does not know about, and vLLM's default raw/processed logprobs behave the same
+way). Greedy rows (temperature 0) report the logprob under the unscaled logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def scaled_logprobs(logits_BV, temperature_B):
+    t_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
+    return jax.nn.log_softmax(logits_BV.astype(jnp.float32) / t_B[:, None], axis=-1)
+
+
+def _truncate(logp_BV, top_p_B, top_k_B):
+    """-inf outside each row's top-k and top-p set (top_k 0 / top_p 1 = off)."""
+    V = logp_BV.shape[-1]
+    sorted_BV = jnp.sort(logp_BV, axis=-1)[:, ::-1]
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
+    kth_B = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches p.
+    cum_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1)
+    prefix_len_B = jnp.sum(cum_BV - jnp.exp(sorted_BV) < top_p_B[:, None], axis=-1)
+    pth_B = jnp.take_along_axis(sorted_BV, jnp.maximum(prefix_len_B - 1, 0)[:, None], axis=-1)
+    threshold_B1 = jnp.maximum(kth_B, pth_B)
+    return jnp.where(logp_BV >= threshold_B1, logp_BV, -jnp.inf)
+
+
+def sample(logits_BV, keys_B, temperature_B, top_p_B, top_k_B, *, truncate: bool):
+    """(tokens_B int32, logprobs_B float32). `keys_B` is one PRNG key per row."""
+    logp_BV = scaled_logprobs(logits_BV, temperature_B)
+    draw_BV = _truncate(logp_BV, top_p_B, top_k_B) if truncate else logp_BV
+    drawn_B = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys_B, draw_BV)
+    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    tokens_B = jnp.where(temperature_B > 0, drawn_B, greedy_B).astype(jnp.int32)
+    return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def request_keys(seeds_B, steps_B):
+    """Key for the `steps_B`-th token of a request seeded `seeds_B`: independent of slot and batch."""
+    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds_B, steps_B)

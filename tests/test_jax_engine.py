@@ -1,0 +1,180 @@
+"""Embedded JAX engine against transformers generate and against teacher-forced logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from april_jax.models import qwen3
+from april_jax.rollout.jax_engine import JaxEngine
+from april_jax.rollout.types import Request, SamplingParams
+from hf_utils import save_tiny
+
+GREEDY = SamplingParams(temperature=0.0)
+SLOTS, MAX_LEN = 5, 96
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine")
+    ref = save_tiny(path, vocab_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return ref, qwen3.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rs = np.random.RandomState(0)
+    return [rs.randint(0, 160, size=rs.randint(1, 40)).tolist() for _ in range(16)]
+
+
+def engine_for(model, **kw):
+    return JaxEngine(model, max_num_seqs=kw.pop("max_num_seqs", SLOTS), max_model_len=kw.pop("max_model_len", MAX_LEN), **kw)
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(tiny, prompts):
+    _, model = tiny
+    engine = engine_for(model)
+    out = engine.generate([Request(str(i), p, 32, GREEDY) for i, p in enumerate(prompts)])
+    return out, engine.stats()
+
+
+def teacher_forced_logprobs(model, prompt, response, temperature=1.0):
+    logits = np.asarray(model(jnp.asarray([prompt + response], jnp.int32)))[0, len(prompt) - 1 : -1]
+    logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+    return np.asarray(logp)[np.arange(len(response)), response]
+
+
+def test_greedy_matches_transformers_generate(tiny, prompts, greedy_outputs):
+    ref, _ = tiny
+    out, stats = greedy_outputs
+    assert len(prompts) > SLOTS and len({len(p) for p in prompts}) > 8
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert out[str(i)].token_ids == hf[0, len(p):].tolist(), f"prompt {i}"
+        assert out[str(i)].finish_reason == "length"
+    assert stats["tokens_generated"] == 16 * 32
+    # Continuous batching: 16 requests through 5 slots kept the slots mostly busy.
+    assert stats["occupancy"] > 0.75
+
+
+def test_greedy_logprobs_equal_teacher_forced(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    for i in (0, 7, 15):
+        r = out[str(i)]
+        np.testing.assert_allclose(r.logprobs, teacher_forced_logprobs(model, prompts[i], r.token_ids), atol=1e-4)
+
+
+def test_sampled_logprobs_equal_teacher_forced_at_temperature(tiny, prompts):
+    _, model = tiny
+    engine = engine_for(model)
+    for sp in (SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=2)):
+        out = engine.generate([Request(str(i), prompts[i], 24, sp) for i in range(6)])
+        for i in range(6):
+            r = out[str(i)]
+            expected = teacher_forced_logprobs(model, prompts[i], r.token_ids, sp.temperature)
+            np.testing.assert_allclose(r.logprobs, expected, atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible_across_slots_and_batches(tiny, prompts):
+    _, model = tiny
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=123)
+    alone = engine_for(model).generate([Request("x", prompts[3], 20, sp)])["x"].token_ids
+    # Same request, now in another slot among other traffic.
+    crowd = [Request(f"o{i}", prompts[i], 20, SamplingParams(1.0, seed=i)) for i in range(4)]
+    crowded = engine_for(model).generate(crowd + [Request("x", prompts[3], 20, sp)])["x"].token_ids
+    assert alone == crowded
+    other = engine_for(model).generate([Request("x", prompts[3], 20, SamplingParams(1.0, top_p=0.95, seed=7))])
+    assert other["x"].token_ids != alone
+
+
+def test_top_k_one_is_greedy(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    got = engine_for(model).generate([Request("k", prompts[2], 32, SamplingParams(temperature=1.0, top_k=1, seed=5))])
+    assert got["k"].token_ids == out["2"].token_ids
+
+
+def test_stop_tokens_and_budgets_end_requests(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    full = out["4"].token_ids
+    stop = full[10]
+    first = full.index(stop)
+    engine = engine_for(model)
+    res = engine.generate([
+        Request("stop", prompts[4], 32, GREEDY, stop_token_ids=(stop,)),
+        Request("budget", prompts[4], 7, GREEDY),
+        Request("one", prompts[4], 1, GREEDY),
+        Request("ctx", list(range(1, 91)), 32, GREEDY),  # 90-token prompt, max_model_len 96
+    ])
+    assert res["stop"].token_ids == full[: first + 1] and res["stop"].finish_reason == "stop"
+    assert res["budget"].token_ids == full[:7] and res["budget"].finish_reason == "length"
+    assert res["one"].token_ids == full[:1] and res["one"].finish_reason == "length"
+    assert len(res["ctx"].token_ids) == MAX_LEN - 90 and res["ctx"].finish_reason == "length"
+
+
+def test_abort_returns_exact_partial_and_resume_completes(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    engine = engine_for(model)
+    engine.submit([Request(str(i), prompts[i], 32, GREEDY) for i in range(8)])
+    done = {}
+    for _ in range(12):
+        done.update({r.request_id: r for r in engine.step()})
+    partial = {r.request_id: r for r in engine.abort_all()}
+    assert not engine.has_unfinished()
+    assert set(partial) | set(done) == {str(i) for i in range(8)}
+    queued = [r for r in partial.values() if not r.token_ids]
+    running = [r for r in partial.values() if r.token_ids]
+    assert queued and running  # 8 requests in 5 slots: some never started
+    for r in partial.values():
+        assert r.finish_reason == "abort"
+        n = len(r.token_ids)
+        assert r.token_ids == out[r.request_id].token_ids[:n] and len(r.logprobs) == len(r.versions) == n
+        np.testing.assert_allclose(r.logprobs, out[r.request_id].logprobs[:n], atol=1e-5)
+    resumed = engine.generate([Request(r.request_id, prompts[int(r.request_id)] + r.token_ids, 32 - len(r.token_ids),
+                                       GREEDY) for r in partial.values()])
+    for rid, r in partial.items():
+        assert r.token_ids + resumed[rid].token_ids == out[rid].token_ids
+
+
+def test_bad_requests_fail_alone(tiny, prompts):
+    _, model = tiny
+    engine = engine_for(model)
+    res = engine.generate([
+        Request("empty", [], 8, GREEDY),
+        Request("long", list(range(MAX_LEN)), 8, GREEDY),
+        Request("zero", prompts[0], 0, GREEDY),
+        Request("good", prompts[0], 8, GREEDY),
+    ])
+    assert res["empty"].finish_reason == "error" and "'empty': empty prompt" in res["empty"].error
+    assert "'long': prompt of 96 tokens" in res["long"].error and "max_model_len=96" in res["long"].error
+    assert "'zero': max_new_tokens must be > 0" in res["zero"].error
+    assert res["good"].finish_reason == "length" and len(res["good"].token_ids) == 8
+    assert engine.stats()["errors"] == 3
+
+
+def test_update_weights_versions_tokens_and_changes_output(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    engine = engine_for(model)
+    engine.submit([Request("a", prompts[5], 32, GREEDY)])
+    for _ in range(5):
+        engine.step()
+    new_params = jax.tree.map(lambda x: x * 1.5, nnx.state(model))
+    engine.update_weights(new_params, version=1)
+    res = list(engine.run())[0]
+    assert res.versions[:6] == [0] * 6 and set(res.versions[6:]) == {1}
+    assert res.token_ids[:6] == out["5"].token_ids[:6]
+
+    changed = nnx.merge(nnx.graphdef(model), new_params)
+    fresh = engine_for(changed).generate([Request("b", prompts[5], 32, GREEDY)])["b"]
+    after = engine.generate([Request("b", prompts[5], 32, GREEDY)])["b"]
+    assert after.token_ids == fresh.token_ids != out["5"].token_ids
+    assert after.versions == [1] * 32 and engine.policy_version == 1
