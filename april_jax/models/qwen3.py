@@ -226,6 +226,18 @@ def _write_rows(cache_BSKD, new_BTKD, start_B):
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(cache_BSKD, new_BTKD, start_B)
 
 
+def _decode_attention(q_B1KGD, keys_BSKD, values_BSKD, causal_B1S, dtype):
+    """One query per row. Multiply-and-reduce instead of batched matmuls: the decode step is
+    memory-bound and XLA's CPU batched dot of [G, D] x [D, S] per (row, head) was 2x slower."""
+    D = q_B1KGD.shape[-1]
+    q_BKGD = q_B1KGD[:, 0].astype(jnp.float32) * (D ** -0.5)
+    scores_BSKG = jnp.sum(q_BKGD[:, None] * keys_BSKD.astype(jnp.float32)[:, :, :, None, :], axis=-1)
+    scores_BSKG = jnp.where(causal_B1S[:, 0, :, None, None], scores_BSKG, jnp.finfo(jnp.float32).min)
+    probs_BSKG = jax.nn.softmax(scores_BSKG, axis=1)
+    out_BKGD = jnp.sum(probs_BSKG[..., None] * values_BSKD.astype(jnp.float32)[:, :, :, None, :], axis=1)
+    return out_BKGD[:, None].astype(dtype)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
         M, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -259,12 +271,15 @@ class Attention(nnx.Module):
             new_kv = (keys_BSKD, values_BSKD)
 
         q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
-        scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, keys_BSKD.astype(q_BTKGD.dtype),
-                                  preferred_element_type=jnp.float32) * (D ** -0.5)
         causal_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-        scores_BKGTS = jnp.where(causal_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
-        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(cfg.dtype)
-        out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, values_BSKD.astype(cfg.dtype))
+        if T == 1:
+            out_BTKGD = _decode_attention(q_BTKGD, keys_BSKD, values_BSKD, causal_BTS, cfg.dtype)
+        else:
+            scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, keys_BSKD.astype(q_BTKGD.dtype),
+                                      preferred_element_type=jnp.float32) * (D ** -0.5)
+            scores_BKGTS = jnp.where(causal_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+            probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(cfg.dtype)
+            out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, values_BSKD.astype(cfg.dtype))
         return self.o_proj(out_BTKGD.reshape(B, T, H * D)), new_kv
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from functools import partial
 from typing import Iterable, Iterator
@@ -58,32 +59,36 @@ class _Slot:
         return Result(self.request.request_id, list(self.tokens), list(self.logprobs), list(self.versions), reason)
 
 
-def _slot_rows(cache: KVCache, slot):
-    take = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)
-    return KVCache(tuple(map(take, cache.k)), tuple(map(take, cache.v)), jnp.zeros((1,), jnp.int32))
-
-
-@partial(jax.jit, static_argnames=("graphdef", "truncate"), donate_argnames=("cache",))
-def _prefill(graphdef, state, cache: KVCache, slot, tokens_1T, length, temperature, top_p, top_k, seed, *, truncate):
+def _prefill(graphdef, state, cache: KVCache, slots_N, tokens_NT, lengths_N, temperature_N, top_p_N, top_k_N, seeds_N,
+             *, mode):
+    """Prefill N new requests at once into their slots; padding rows carry slot index = #slots and are dropped."""
     model = nnx.merge(graphdef, state)
-    logits_1TV, rows = model.forward(tokens_1T, cache=_slot_rows(cache, slot), num_new_B=length[None])
-    last_1V = jax.lax.dynamic_slice_in_dim(logits_1TV[0], length - 1, 1, axis=0)
-    keys = sampling.request_keys(seed[None], jnp.zeros((1,), jnp.int32))
-    token, logprob = sampling.sample(last_1V, keys, temperature[None], top_p[None], top_k[None], truncate=truncate)
-    put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0)
-    new_cache = KVCache(tuple(map(put, cache.k, rows.k)), tuple(map(put, cache.v, rows.v)),
-                        cache.lengths_B.at[slot].set(length))
-    return new_cache, token[0], logprob[0]
+    N, T = tokens_NT.shape
+    fresh = KVCache.zeros(model.cfg, N, T, cache.k[0].dtype)
+    logits_NTV, fresh = model.forward(tokens_NT, cache=fresh, num_new_B=lengths_N)
+    last_NV = jnp.take_along_axis(logits_NTV, (lengths_N - 1)[:, None, None], axis=1)[:, 0]
+    keys = sampling.request_keys(seeds_N, jnp.zeros((N,), jnp.int32))
+    tokens_N, logprobs_N = sampling.sample(last_NV, keys, temperature_N, top_p_N, top_k_N, mode=mode)
+    put = lambda big, rows: big.at[slots_N, :T].set(rows, mode="drop")
+    new_cache = KVCache(tuple(map(put, cache.k, fresh.k)), tuple(map(put, cache.v, fresh.v)),
+                        cache.lengths_B.at[slots_N].set(lengths_N, mode="drop"))
+    return new_cache, tokens_N, logprobs_N
 
 
-@partial(jax.jit, static_argnames=("graphdef", "truncate"), donate_argnames=("cache",))
 def _decode(graphdef, state, cache: KVCache, tokens_B, active_B, temperature_B, top_p_B, top_k_B, seeds_B, steps_B,
-            *, truncate):
+            *, mode):
     model = nnx.merge(graphdef, state)
     logits_B1V, cache = model.forward(tokens_B[:, None], cache=cache, num_new_B=active_B.astype(jnp.int32))
     keys = sampling.request_keys(seeds_B, steps_B)
-    tokens, logprobs = sampling.sample(logits_B1V[:, 0], keys, temperature_B, top_p_B, top_k_B, truncate=truncate)
+    tokens, logprobs = sampling.sample(logits_B1V[:, 0], keys, temperature_B, top_p_B, top_k_B, mode=mode)
     return cache, tokens, logprobs
+
+
+@functools.lru_cache(maxsize=16)
+def compiled_steps(graphdef):
+    """(prefill, decode) jitted with `graphdef` closed over: hashing a graphdef per call costs ms."""
+    jit = lambda f: jax.jit(partial(f, graphdef), static_argnames=("mode",), donate_argnames=("cache",))
+    return jit(_prefill), jit(_decode)
 
 
 def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -100,6 +105,7 @@ class JaxEngine:
         if max_num_seqs <= 0 or max_model_len <= 1:
             raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len} must be positive")
         self.graphdef, self._state = nnx.split(model)
+        self._prefill, self._decode = compiled_steps(self.graphdef)
         self.cfg = model.cfg
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -131,9 +137,10 @@ class JaxEngine:
         """Refill free slots, run one decode step; the results that finished in it."""
         t = time.perf_counter()
         finished, self._ready = self._ready, []
-        for slot in range(self.max_num_seqs):
-            if self._slots[slot] is None and self._queue:
-                self._start(slot, *self._queue.popleft(), finished)
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        starting = [(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]]
+        if starting:
+            self._start(starting, finished)
         busy = [i for i, s in enumerate(self._slots) if s is not None]
         if busy:
             self._decode_step(busy, finished)
@@ -204,20 +211,28 @@ class JaxEngine:
         self._cache = None
 
     # ---- internals ----
-    def _start(self, slot: int, request: Request, seed: int, finished: list[Result]) -> None:
-        n = len(request.prompt_ids)
-        bucket = next(b for b in self.buckets if b >= n)
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :n] = request.prompt_ids
-        s = request.sampling
-        self._cache, token, logprob = _prefill(
-            self.graphdef, self._state, self._cache, jnp.int32(slot), jnp.asarray(tokens), jnp.int32(n),
-            jnp.float32(s.temperature), jnp.float32(s.top_p), jnp.int32(s.top_k), jnp.int32(seed),
-            truncate=s.temperature > 0 and (s.top_p < 1.0 or s.top_k > 0))
-        self._stats["prefill_tokens"] += n
-        state = _Slot(request, seed)
-        self._slots[slot] = state
-        self._append(slot, int(token), float(logprob), finished)
+    def _start(self, starting: list[tuple[int, Request, int]], finished: list[Result]) -> None:
+        """Prefill new requests, grouped by bucket length; row counts padded to powers of two."""
+        by_bucket = collections.defaultdict(list)
+        for item in starting:
+            by_bucket[next(b for b in self.buckets if b >= len(item[1].prompt_ids))].append(item)
+        for bucket, items in sorted(by_bucket.items()):
+            rows = 1 << (len(items) - 1).bit_length()
+            slots = np.full(rows, self.max_num_seqs, np.int32)  # out of range: dropped
+            tokens, lengths = np.zeros((rows, bucket), np.int32), np.ones(rows, np.int32)
+            temp, top_p, top_k, seeds = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+            for r, (slot, request, seed) in enumerate(items):
+                n, sp = len(request.prompt_ids), request.sampling
+                slots[r], lengths[r], tokens[r, :n], seeds[r] = slot, n, request.prompt_ids, seed
+                temp[r], top_p[r], top_k[r] = sp.temperature, sp.top_p, sp.top_k
+                self._stats["prefill_tokens"] += n
+            self._cache, first, logprobs = self._prefill(
+                self._state, self._cache, *map(jnp.asarray, (slots, tokens, lengths, temp, top_p, top_k, seeds)),
+                mode=sampling.batch_mode(temp, top_p, top_k))
+            first, logprobs = np.asarray(first), np.asarray(logprobs)
+            for r, (slot, request, seed) in enumerate(items):
+                self._slots[slot] = _Slot(request, seed)
+                self._append(slot, int(first[r]), float(logprobs[r]), finished)
 
     def _decode_step(self, busy: list[int], finished: list[Result]) -> None:
         S = self.max_num_seqs
@@ -230,11 +245,10 @@ class JaxEngine:
             p = slot.request.sampling
             temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
             seeds[i], steps[i] = slot.seed, len(slot.tokens)
-        truncate = bool(np.any((temp > 0) & ((top_p < 1.0) | (top_k > 0))))
-        self._cache, tokens, logprobs = _decode(
-            self.graphdef, self._state, self._cache, jnp.asarray(self._next_token), jnp.asarray(active),
+        self._cache, tokens, logprobs = self._decode(
+            self._state, self._cache, jnp.asarray(self._next_token), jnp.asarray(active),
             jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k), jnp.asarray(seeds), jnp.asarray(steps),
-            truncate=truncate)
+            mode=sampling.batch_mode(temp, top_p, top_k))
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         self._stats["decode_steps"] += 1
         self._stats["busy_slot_steps"] += len(busy)

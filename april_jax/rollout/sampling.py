@@ -32,14 +32,30 @@ def _truncate(logp_BV, top_p_B, top_k_B):
     return jnp.where(logp_BV >= threshold_B1, logp_BV, -jnp.inf)
 
 
-def sample(logits_BV, keys_B, temperature_B, top_p_B, top_k_B, *, truncate: bool):
-    """(tokens_B int32, logprobs_B float32). `keys_B` is one PRNG key per row."""
+def sample(logits_BV, keys_B, temperature_B, top_p_B, top_k_B, *, mode: str):
+    """(tokens_B int32, logprobs_B float32). `keys_B` is one PRNG key per row.
+
+    `mode` (static) is the cheapest program that serves the batch: "greedy" (no randomness),
+    "sample" (full distribution) or "truncate" (some row uses top-k / top-p).
+    """
     logp_BV = scaled_logprobs(logits_BV, temperature_B)
-    draw_BV = _truncate(logp_BV, top_p_B, top_k_B) if truncate else logp_BV
-    drawn_B = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys_B, draw_BV)
-    greedy_B = jnp.argmax(logits_BV, axis=-1)
-    tokens_B = jnp.where(temperature_B > 0, drawn_B, greedy_B).astype(jnp.int32)
+    tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    if mode != "greedy":
+        draw_BV = _truncate(logp_BV, top_p_B, top_k_B) if mode == "truncate" else logp_BV
+        # Inverse-CDF draw: one uniform per row instead of a Gumbel per vocabulary entry.
+        cdf_BV = jnp.cumsum(jnp.exp(draw_BV - jnp.max(draw_BV, axis=-1, keepdims=True)), axis=-1)
+        u_B = jax.vmap(lambda k: jax.random.uniform(k))(keys_B) * cdf_BV[:, -1]
+        drawn_B = jnp.minimum(jnp.sum(cdf_BV <= u_B[:, None], axis=-1), logits_BV.shape[-1] - 1)
+        tokens_B = jnp.where(temperature_B > 0, drawn_B.astype(jnp.int32), tokens_B)
     return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def batch_mode(temperature, top_p, top_k) -> str:
+    """The `sample` mode for rows with these (host numpy) parameters."""
+    sampled = temperature > 0
+    if not sampled.any():
+        return "greedy"
+    return "truncate" if bool(((top_p < 1.0) | (top_k > 0))[sampled].any()) else "sample"
 
 
 def request_keys(seeds_B, steps_B):
