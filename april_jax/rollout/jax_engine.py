@@ -172,12 +172,35 @@ class JaxEngine:
         return self.abort(ids)
 
     def update_weights(self, params, version: int) -> None:
-        """New parameters (an nnx.State of the same model, or the model) for every later token."""
+        """New parameters (an nnx.State of the same model, or the model; None keeps the current
+        ones, a version bump only) for every later token."""
+        if params is None:
+            self.policy_version = int(version)
+            return
         state = nnx.state(params) if isinstance(params, nnx.Module) else params
         state = jax.tree.map(lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
                              state, self._state)
         self._state = state
         self.policy_version = int(version)
+
+    def warmup(self, modes=("greedy", "sample")) -> None:
+        """Compile every prefill (bucket x power-of-two rows) and decode program up front, so no
+        compile lands inside a rollout. Costs one compile per program."""
+        S = self.max_num_seqs
+        for mode in modes:
+            for bucket in self.buckets:
+                rows = 1
+                while rows <= 1 << (S - 1).bit_length():
+                    z = np.zeros(rows, np.int32)
+                    self._cache, *_ = self._prefill(
+                        self._state, self._cache, jnp.full(rows, S, jnp.int32), jnp.zeros((rows, bucket), jnp.int32),
+                        jnp.ones(rows, jnp.int32), jnp.asarray(z, jnp.float32), jnp.ones(rows, jnp.float32),
+                        jnp.asarray(z), jnp.asarray(z), mode=mode)
+                    rows *= 2
+            zs = jnp.zeros(S, jnp.int32)
+            self._cache, *_ = self._decode(self._state, self._cache, zs, jnp.zeros(S, bool), jnp.zeros(S, jnp.float32),
+                                           jnp.ones(S, jnp.float32), zs, zs, zs, mode=mode)
+        self._cache = self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32))
 
     def has_unfinished(self) -> bool:
         return bool(self._queue or self._ready or any(s is not None for s in self._slots))
@@ -195,6 +218,7 @@ class JaxEngine:
             "tokens_generated": s["tokens_generated"],
             "prefill_tokens": s["prefill_tokens"],
             "decode_steps": s["decode_steps"],
+            "busy_slot_steps": s["busy_slot_steps"],
             "occupancy": s["busy_slot_steps"] / (steps * self.max_num_seqs),
             "aborted": s["aborted"],
             "errors": s["errors"],

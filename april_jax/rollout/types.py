@@ -25,6 +25,9 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
+    # Stable identity of the response across resumed segments (APRIL sets "group/index/attempt");
+    # real engines ignore it, the simulated engine draws the response length from it.
+    sample_key: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -58,3 +61,65 @@ class Result:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+SampleStatus = Literal["pending", "running", "completed", "truncated", "aborted"]
+
+
+@dataclasses.dataclass
+class PromptRecord:
+    """One dataset row: `uid` is unique per draw (the same row in two epochs gets two uids)."""
+
+    uid: str
+    prompt_ids: list[int]
+    answer: str | None = None
+    source: str | None = None  # e.g. "file.jsonl:17", for error messages
+
+
+@dataclasses.dataclass
+class Sample:
+    prompt_ids: list[int]
+    group_id: str
+    index: int
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    response_logprobs: list[float] = dataclasses.field(default_factory=list)  # behaviour, per token
+    response_versions: list[int] = dataclasses.field(default_factory=list)  # policy version per token
+    status: SampleStatus = "pending"
+    finish_reason: str | None = None
+    reward: float | None = None
+    attempt: int = 0  # bumped when a stale sample restarts from the prompt
+    segments: int = 0  # engine requests this response took (1 = never resumed)
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "truncated")
+
+    def staleness(self, current_version: int) -> int:
+        return current_version - min(self.response_versions) if self.response_versions else 0
+
+    def reset(self) -> int:
+        """Back to the prompt (a stale restart); returns the number of tokens thrown away."""
+        dropped = len(self.response_ids)
+        self.response_ids, self.response_logprobs, self.response_versions = [], [], []
+        self.status, self.finish_reason, self.reward = "pending", None, None
+        self.attempt += 1
+        return dropped
+
+
+@dataclasses.dataclass
+class Group:
+    group_id: str
+    prompt: PromptRecord
+    samples: list[Sample]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Group":
+        return cls(d["group_id"], PromptRecord(**d["prompt"]), [Sample(**s) for s in d["samples"]])

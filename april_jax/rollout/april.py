@@ -1,0 +1,279 @@
+"""APRIL: over-sampling, active termination, a partial buffer and token-level resume.
+
+One `collect` call is one training step's rollout, on any engine with the common interface:
+
+1. Drain the buffer first: groups that completed beyond last step's target are delivered (if
+   still within the staleness cap); unfinished groups resume their unfinished members at token
+   level (prompt ids + generated ids, `max_new_tokens = max_response_len - generated`).
+2. Keep `over_sampling_batch_size` groups in flight: fresh prompts fill up to it, and refill it
+   when a group is filtered out (DAPO dynamic sampling) or lost to the staleness policy. A resumed
+   group counts by its unfinished members (k of n counts k/n), so the engine is as full after a
+   resume as in a fresh step.
+3. A group counts when all its `n_samples_per_prompt` members are finished (stop, or truncated at
+   the budget). The moment `rollout_batch_size` groups count, every other request is aborted;
+   unfinished groups go to the buffer whole, with every token's behaviour logprob and version.
+
+The synchronous baseline is the same code with `over_sampling_batch_size == rollout_batch_size`
+and `partial_rollout=False`. Every drawn prompt is either delivered once, still buffered, or
+counted in `dropped` with a reason (filtered, stale, evicted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import numpy as np
+
+from april_jax.rollout.buffer import PartialBuffer
+from april_jax.rollout.types import Group, PromptRecord, Request, Result, Sample, SamplingParams
+
+RewardFn = Callable[[Sample, PromptRecord], float]
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    rollout_batch_size: int = 32
+    n_samples_per_prompt: int = 8
+    over_sampling_batch_size: int = 64
+    partial_rollout: bool = True
+    max_response_len: int = 1024
+    max_staleness: int = 5
+    stale_policy: str = "restart"  # or "drop_group"
+    dynamic_sampling: bool = False
+    schedule: str = "fifo"  # or "short_first"
+    buffer_capacity: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> "RolloutConfig":
+        def bad(key, why):
+            raise ValueError(f"rollout.{key}={getattr(self, key)!r}: {why}")
+
+        for key in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len", "buffer_capacity"):
+            if getattr(self, key) <= 0:
+                bad(key, "must be > 0")
+        if self.over_sampling_batch_size < self.rollout_batch_size:
+            bad("over_sampling_batch_size", f"must be >= rollout.rollout_batch_size={self.rollout_batch_size}")
+        if self.max_staleness < 0:
+            bad("max_staleness", "must be >= 0")
+        if self.stale_policy not in ("restart", "drop_group"):
+            bad("stale_policy", "must be 'restart' or 'drop_group'")
+        if self.schedule not in ("fifo", "short_first"):
+            bad("schedule", "must be 'fifo' or 'short_first'")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        return self
+
+
+class April:
+    def __init__(self, cfg: RolloutConfig, prompts: Iterator[PromptRecord], reward_fn: RewardFn | None = None):
+        self.cfg = cfg.validate()
+        self.prompts = prompts
+        self.reward_fn = reward_fn
+        self.buffer = PartialBuffer(cfg.buffer_capacity)
+        self.next_group = 0
+        self.drawn = 0
+        self.dropped: dict[str, str] = {}  # prompt uid -> reason
+        self.length_history: dict[str, float] = {}  # prompt key -> mean response length seen
+        self.exhausted = False
+
+    # ---- the step ----
+    def collect(self, engine, version: int) -> tuple[list[Group], dict]:
+        cfg, target = self.cfg, self.cfg.rollout_batch_size
+        t0, s0 = engine.now(), engine.stats()
+        m = dict(aborted=0, resumed=0, dropped_tokens=0, stale_restarts=0, stale_dropped_groups=0,
+                 zero_std_groups=0, evicted_groups=0)
+        delivered: list[Group] = []
+        surplus: list[Group] = []
+        inflight: dict[str, Group] = {}
+        requests: dict[str, Sample] = {}
+        weight: dict[str, float] = {}  # group id -> its share of the in-flight budget
+
+        def submit(groups: list[Group]) -> None:
+            batch = []
+            for g in self._ordered(groups):
+                for s in g.samples:
+                    if s.finished:
+                        continue
+                    if s.response_ids:
+                        m["resumed"] += 1
+                    request = self._request(s)
+                    requests[request.request_id] = s
+                    s.status, s.segments = "running", s.segments + 1
+                    batch.append(request)
+            engine.submit(batch)
+
+        def in_flight_groups() -> float:
+            # A buffered group with k unfinished members counts k/n: the engine keeps as many
+            # requests in flight as a fresh over-sampled step would (not just 1-2 per long group).
+            return sum(weight[gid] for gid in inflight)
+
+        def fresh_groups() -> list[Group]:
+            out = []
+            while len(delivered) + in_flight_groups() < cfg.over_sampling_batch_size and len(delivered) < target:
+                g = self._new_group()
+                if g is None:
+                    break
+                inflight[g.group_id] = g
+                weight[g.group_id] = 1.0
+                out.append(g)
+            return out
+
+        def accept(g: Group) -> None:
+            if cfg.dynamic_sampling and len({s.reward for s in g.samples}) == 1:
+                m["zero_std_groups"] += 1
+                self.dropped[g.prompt.uid] = "filtered"
+            elif len(delivered) < target:
+                delivered.append(g)
+            else:
+                surplus.append(g)
+
+        # 1. the buffer first
+        resumed = []
+        for g in self.buffer.drain():
+            if not self._within_staleness(g, version, m):
+                continue
+            if g.complete:
+                accept(g)
+            else:
+                inflight[g.group_id] = g
+                weight[g.group_id] = sum(not s.finished for s in g.samples) / cfg.n_samples_per_prompt
+                resumed.append(g)
+        submit(resumed)
+        submit(fresh_groups())
+
+        # 2. generate until the target is met
+        while len(delivered) < target and engine.has_unfinished():
+            for result in engine.step():
+                sample = requests.pop(result.request_id)
+                group = inflight[sample.group_id]
+                self._absorb(sample, result, group.prompt)
+                if group.complete:
+                    del inflight[group.group_id]
+                    accept(group)
+            submit(fresh_groups())
+
+        # 3. active termination
+        for result in engine.abort_all():
+            m["aborted"] += 1
+            sample = requests.pop(result.request_id)
+            self._absorb(sample, result, inflight[sample.group_id].prompt)
+        for g in list(inflight.values()) + surplus:
+            if not cfg.partial_rollout:
+                for s in g.samples:
+                    if not s.finished:
+                        m["dropped_tokens"] += s.reset()
+            self.buffer.put(g)
+        for g in self.buffer.take_evicted():
+            m["evicted_groups"] += 1
+            self.dropped[g.prompt.uid] = "evicted"
+            m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
+        for g in delivered:
+            self._remember_lengths(g)
+        return delivered, self._metrics(delivered, version, m, engine, t0, s0)
+
+    # ---- pieces ----
+    def _new_group(self) -> Group | None:
+        try:
+            prompt = next(self.prompts)
+        except StopIteration:
+            self.exhausted = True
+            return None
+        self.drawn += 1
+        gid = f"g{self.next_group}"
+        self.next_group += 1
+        n = self.cfg.n_samples_per_prompt
+        return Group(gid, prompt, [Sample(list(prompt.prompt_ids), gid, i) for i in range(n)])
+
+    def _request(self, s: Sample) -> Request:
+        cfg = self.cfg
+        key = f"{s.group_id}/{s.index}/{s.attempt}"
+        return Request(f"{key}/{s.segments}", s.prompt_ids + s.response_ids, cfg.max_response_len - len(s.response_ids),
+                       SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), cfg.stop_token_ids, sample_key=key)
+
+    def _absorb(self, s: Sample, r: Result, prompt: PromptRecord) -> None:
+        s.response_ids += r.token_ids
+        s.response_logprobs += r.logprobs
+        s.response_versions += r.versions
+        s.finish_reason = r.finish_reason
+        if r.finish_reason == "abort":
+            s.status = "aborted"
+            return
+        if r.finish_reason == "error":
+            s.metadata["error"] = r.error
+        s.status = "completed" if r.finish_reason == "stop" else "truncated"
+        s.reward = float(self.reward_fn(s, prompt)) if self.reward_fn else 0.0
+
+    def _within_staleness(self, g: Group, version: int, m: dict) -> bool:
+        stale = [s for s in g.samples if s.staleness(version) > self.cfg.max_staleness]
+        if not stale:
+            return True
+        if self.cfg.stale_policy == "drop_group":
+            m["stale_dropped_groups"] += 1
+            m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
+            self.dropped[g.prompt.uid] = "stale"
+            return False
+        for s in stale:
+            m["stale_restarts"] += 1
+            m["dropped_tokens"] += s.reset()
+        return True
+
+    def _ordered(self, groups: list[Group]) -> list[Group]:
+        if self.cfg.schedule == "fifo":
+            return groups
+        typical = np.median(list(self.length_history.values())) if self.length_history else 0.0
+        return sorted(groups, key=lambda g: self.length_history.get(self._prompt_key(g), typical))
+
+    @staticmethod
+    def _prompt_key(g: Group) -> str:
+        return g.prompt.source or ",".join(map(str, g.prompt.prompt_ids[:64]))
+
+    def _remember_lengths(self, g: Group) -> None:
+        self.length_history[self._prompt_key(g)] = float(np.mean([len(s.response_ids) for s in g.samples]))
+
+    def _metrics(self, groups: list[Group], version: int, m: dict, engine, t0: float, s0: dict) -> dict:
+        samples = [s for g in groups for s in g.samples]
+        lengths = np.array([len(s.response_ids) for s in samples] or [0])
+        versions = np.concatenate([np.asarray(s.response_versions) for s in samples] or [np.zeros(0)])
+        stale = np.array([s.staleness(version) for s in samples] or [0])
+        rewards = np.array([s.reward for s in samples] or [0.0], float)
+        s1, elapsed = engine.stats(), engine.now() - t0
+        steps = s1["decode_steps"] - s0["decode_steps"]
+        busy = s1["busy_slot_steps"] - s0["busy_slot_steps"]
+        return {
+            "rollout/time_s": elapsed,
+            "rollout/tokens": int(lengths.sum()),
+            "rollout/tokens_per_s": float(lengths.sum() / elapsed) if elapsed > 0 else 0.0,
+            "rollout/occupancy": busy / (steps * s1["slots"]) if steps else 0.0,
+            "rollout/aborted": m["aborted"],
+            "rollout/resumed": m["resumed"],
+            "rollout/off_policy_token_frac": float(np.mean(versions < version)) if versions.size else 0.0,
+            "rollout/staleness_max": int(stale.max()),
+            "rollout/staleness_mean": float(stale.mean()),
+            "rollout/response_len/mean": float(lengths.mean()),
+            "rollout/response_len/max": int(lengths.max()),
+            "rollout/response_len/p50": float(np.median(lengths)),
+            "rollout/truncated_frac": float(np.mean([s.status == "truncated" for s in samples])) if samples else 0.0,
+            "rollout/dropped_tokens": m["dropped_tokens"],
+            "rollout/stale_restarts": m["stale_restarts"],
+            "rollout/stale_dropped_groups": m["stale_dropped_groups"],
+            "rollout/evicted_groups": m["evicted_groups"],
+            "rollout/buffer_groups": len(self.buffer),
+            "rollout/groups": len(groups),
+            "reward/mean": float(rewards.mean()),
+            "reward/zero_std_groups": m["zero_std_groups"],
+        }
+
+    # ---- checkpointing ----
+    def state_dict(self) -> dict:
+        return {"buffer": self.buffer.state_dict(), "next_group": self.next_group, "drawn": self.drawn,
+                "dropped": dict(self.dropped), "length_history": dict(self.length_history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.next_group, self.drawn = int(state["next_group"]), int(state["drawn"])
+        self.dropped = dict(state["dropped"])
+        self.length_history = {k: float(v) for k, v in state["length_history"].items()}

@@ -1,0 +1,178 @@
+"""APRIL orchestrator on the simulated engine (invariants over many steps) and the JAX engine (resume)."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from april_jax.models import qwen3
+from april_jax.rollout.april import April, RolloutConfig
+from april_jax.rollout.jax_engine import JaxEngine
+from april_jax.rollout.sim_engine import SimEngine, draw_length
+from april_jax.rollout.types import PromptRecord, Request, SamplingParams
+
+
+def prompt_stream(prefix="p", length=8, vocab=500, seed=0):
+    rng = np.random.default_rng(seed)
+    for i in itertools.count():
+        yield PromptRecord(uid=f"{prefix}{i}", prompt_ids=rng.integers(1, vocab, length).tolist())
+
+
+def run_steps(cfg, steps, reward_fn=None, slots=16, length_scale=1 / 64):
+    engine = SimEngine(slots=slots, seed=1, length_scale=length_scale)
+    april = April(cfg, prompt_stream(), reward_fn)
+    delivered = []
+    for step in range(steps):
+        groups, metrics = april.collect(engine, version=step)
+        delivered.append((step, groups, metrics))
+        engine.update_weights(None, step + 1)
+    return april, engine, delivered
+
+
+def check_invariants(cfg, april, delivered):
+    seen = []
+    for step, groups, _ in delivered:
+        assert len(groups) == cfg.rollout_batch_size
+        for g in groups:
+            assert len(g.samples) == cfg.n_samples_per_prompt and g.complete
+            seen.append(g.prompt.uid)
+            for s in g.samples:
+                assert 0 < len(s.response_ids) <= cfg.max_response_len
+                assert len(s.response_logprobs) == len(s.response_versions) == len(s.response_ids)
+                assert s.staleness(step) <= cfg.max_staleness
+                assert all(v <= step for v in s.response_versions)
+    assert len(seen) == len(set(seen)), "a prompt was delivered twice"
+    buffered = {g.prompt.uid for g in april.buffer._groups}
+    dropped = set(april.dropped)
+    assert not (set(seen) & buffered) and not (set(seen) & dropped) and not (buffered & dropped)
+    assert len(seen) + len(buffered) + len(dropped) == april.drawn, "a drawn prompt was lost"
+
+
+@pytest.mark.parametrize("stale_policy", ["restart", "drop_group"])
+def test_invariants_over_many_steps(stale_policy):
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
+                        max_response_len=300, max_staleness=2, stale_policy=stale_policy, stop_token_ids=(0,))
+    april, engine, delivered = run_steps(cfg, 15)
+    check_invariants(cfg, april, delivered)
+    metrics = [m for _, _, m in delivered]
+    assert sum(m["rollout/aborted"] for m in metrics) > 0 and sum(m["rollout/resumed"] for m in metrics) > 0
+    assert max(m["rollout/off_policy_token_frac"] for m in metrics) > 0
+    key = "rollout/stale_restarts" if stale_policy == "restart" else "rollout/stale_dropped_groups"
+    assert sum(m[key] for m in metrics) > 0
+    # Some responses were truncated at the budget: the seed's tail exceeds 300 tokens at this scale.
+    assert any(m["rollout/truncated_frac"] > 0 for m in metrics)
+    assert all(m["rollout/response_len/max"] <= 300 for m in metrics)
+
+
+def test_resumed_response_ends_where_an_uninterrupted_one_would():
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
+                        max_response_len=100_000, max_staleness=100)
+    april, engine, delivered = run_steps(cfg, 10)
+    resumed = [s for _, gs, _ in delivered for g in gs for s in g.samples if s.segments > 1]
+    assert resumed
+    for s in resumed:
+        assert len(s.response_ids) == draw_length(1, f"{s.group_id}/{s.index}/{s.attempt}", 1 / 64)
+
+
+def test_sync_baseline_never_aborts():
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=4,
+                        partial_rollout=False, max_response_len=300, max_staleness=2)
+    april, _, delivered = run_steps(cfg, 6)
+    check_invariants(cfg, april, delivered)
+    assert all(m["rollout/aborted"] == 0 and m["rollout/off_policy_token_frac"] == 0 for _, _, m in delivered)
+    assert april.drawn == 6 * 4 and not april.dropped
+
+
+def test_dynamic_sampling_filters_zero_variance_groups_and_refills():
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=2, over_sampling_batch_size=6,
+                        max_response_len=300, max_staleness=3, dynamic_sampling=True)
+    reward = lambda s, prompt: float(len(s.response_ids) % 2)  # equal in about half the groups
+    april, _, delivered = run_steps(cfg, 8, reward)
+    check_invariants(cfg, april, delivered)
+    assert sum(m["reward/zero_std_groups"] for _, _, m in delivered) > 0
+    assert "filtered" in april.dropped.values()
+    for _, groups, _ in delivered:
+        assert all(len({s.reward for s in g.samples}) > 1 for g in groups)
+
+
+def test_buffer_and_state_round_trip_exactly():
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
+                        max_response_len=300, max_staleness=2)
+    april, _, _ = run_steps(cfg, 4)
+    assert len(april.buffer) > 0
+    state = json.loads(json.dumps(april.state_dict()))
+    other = April(cfg, prompt_stream())
+    other.load_state_dict(state)
+    assert other.state_dict() == april.state_dict()
+    assert other.buffer.summary() == april.buffer.summary() and april.buffer.summary()["partial_samples"] > 0
+
+
+def test_eviction_counts_dropped_prompts():
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=8,
+                        max_response_len=300, max_staleness=5, buffer_capacity=2)
+    april, _, delivered = run_steps(cfg, 5)
+    check_invariants(cfg, april, delivered)
+    assert "evicted" in april.dropped.values()
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (dict(over_sampling_batch_size=2, rollout_batch_size=4), "rollout.over_sampling_batch_size=2"),
+    (dict(n_samples_per_prompt=0), "rollout.n_samples_per_prompt=0"),
+    (dict(stale_policy="keep"), "rollout.stale_policy='keep'"),
+    (dict(schedule="lifo"), "rollout.schedule='lifo'"),
+    (dict(max_response_len=-1), "rollout.max_response_len=-1"),
+])
+def test_bad_config_names_the_key(overrides, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        RolloutConfig(**overrides).validate()
+
+
+def test_short_first_orders_known_short_prompts_first():
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, schedule="short_first")
+    april = April(cfg, prompt_stream())
+    groups = [april._new_group() for _ in range(3)]
+    for g, length in zip(groups, (500, 20, 80)):
+        for s in g.samples:
+            s.response_ids = [1] * length
+        april._remember_lengths(g)
+    assert [g.group_id for g in april._ordered(groups)] == [groups[1].group_id, groups[2].group_id, groups[0].group_id]
+
+
+# ---- the real engine: abort -> buffer -> resume gives the uninterrupted greedy tokens ----
+
+def test_jax_engine_abort_buffer_resume_matches_uninterrupted():
+    cfg_model = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.3)
+    model = qwen3.init_model(cfg_model, seed=3)
+    prompts = list(itertools.islice(prompt_stream(length=6, vocab=64, seed=4), 24))
+    max_len = 40
+    reference = JaxEngine(model, max_num_seqs=8, max_model_len=64).generate(
+        [Request(p.uid, p.prompt_ids, max_len, SamplingParams(0.0)) for p in prompts])
+    # Stop tokens chosen from the outputs so responses end at very different lengths.
+    counts = np.bincount(np.concatenate([r.token_ids for r in reference.values()]), minlength=64)
+    stops = tuple(int(t) for t in np.argsort(counts)[-3:-1])
+
+    def expected(uid):
+        toks = reference[uid].token_ids
+        cut = next((i for i, t in enumerate(toks) if t in stops), None)
+        return toks if cut is None else toks[: cut + 1]
+
+    lengths = [len(expected(p.uid)) for p in prompts]
+    assert min(lengths) < 10 and max(lengths) == max_len
+
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=5,
+                        max_response_len=max_len, temperature=0.0, stop_token_ids=stops, max_staleness=100)
+    engine = JaxEngine(model, max_num_seqs=4, max_model_len=64)
+    april = April(cfg, iter(prompts))
+    delivered = []
+    for step in range(6):
+        groups, _ = april.collect(engine, version=step)
+        delivered += groups
+        engine.update_weights(model, step + 1)  # same weights, new version
+    resumed = 0
+    for g in delivered:
+        for s in g.samples:
+            assert s.response_ids == expected(g.prompt.uid), (g.prompt.uid, s.segments)
+            resumed += s.segments > 1
+    assert resumed > 0
