@@ -1,0 +1,162 @@
+"""Mixed-policy PPO/GRPO/DAPO/GSPO policy loss over response tokens.
+
+All per-token arrays are [B, T] (B sequences, T response positions, right-padded; `mask_BT` marks
+real response tokens). Names follow verl where it has them.
+
+Per token, with r = exp(logp - logp_old) and advantage A:
+    ppo:  max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); dual clip (A < 0): min(that, -A c)
+    gspo: r replaced by the sequence ratio exp(mean_t(logp - logp_old)) (value), whose gradient
+          flows through each token's logp (verl's GSPO), clipped the same way.
+Mixed-policy correction (APRIL: a response may span several policy versions):
+    w_tis  = min(exp(logp_old - logp_behaviour), C), token- or sequence-level, no gradient
+    s      = current_version - token_version; tokens with s > max_staleness are masked,
+             the rest weighted decay ** s.
+    per-token loss = pg * w_tis * decay ** s
+KL to a reference (k1, k2, k3) and an entropy bonus are added with their coefficients.
+
+Aggregation (`loss_agg_mode`) counts only tokens within the staleness cap, and takes its
+denominators from `denoms` (of `effective_mask` over the whole batch) so that micro-batches of one
+batch sum to exactly the full-batch loss: token-mean (/ all tokens), seq-mean-token-sum
+(/ sequences), seq-mean-token-mean (per-sequence mean, / sequences), seq-mean-token-sum-norm
+(/ (sequences x norm_len), Dr. GRPO, with a fixed norm_len so padding does not change it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    policy_loss: str = "ppo"  # or "gspo"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    clip_c: float | None = None  # dual clip for negative advantages, e.g. 3.0
+    loss_agg_mode: str = "token-mean"
+    norm_len: int = 1024  # seq-mean-token-sum-norm's constant (the generation budget)
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    entropy_coef: float = 0.0
+    pi_old: str = "recompute"  # or "bypass": use the behaviour logprobs as pi_old
+    tis: str | None = "token"  # "token", "sequence" or None
+    tis_cap: float = 2.0
+    max_staleness: int = 5
+    staleness_decay: float = 0.9
+
+    def validate(self) -> "LossConfig":
+        checks = [("policy_loss", ("ppo", "gspo")), ("loss_agg_mode", AGG_MODES), ("kl_type", ("k1", "k2", "k3")),
+                  ("pi_old", ("recompute", "bypass")), ("tis", ("token", "sequence", None))]
+        for key, allowed in checks:
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"loss.{key}={getattr(self, key)!r}: expected one of {allowed}")
+        if self.policy_loss == "gspo" and self.tis == "token":
+            raise ValueError("loss.tis='token' with loss.policy_loss='gspo': GSPO weighs whole sequences; "
+                             "use loss.tis='sequence' or None")
+        if not 0 < self.staleness_decay <= 1:
+            raise ValueError(f"loss.staleness_decay={self.staleness_decay}: must be in (0, 1]")
+        return self
+
+
+def denominators(mask_BT) -> dict:
+    """Batch-wide counts the aggregation divides by (compute once over the full batch)."""
+    mask = mask_BT.astype(jnp.float32)
+    return {"tokens": jnp.maximum(mask.sum(), 1.0), "seqs": jnp.maximum((mask.sum(-1) > 0).sum(), 1.0)}
+
+
+def effective_mask(cfg: LossConfig, mask_BT, versions_BT, current_version):
+    """Response tokens within the staleness cap: what the loss trains on and divides by."""
+    return mask_BT.astype(bool) & (current_version - versions_BT <= cfg.max_staleness)
+
+
+def aggregate(x_BT, mask_BT, mode: str, denoms: dict, norm_len: int = 1024):
+    mask = mask_BT.astype(jnp.float32)
+    x = jnp.where(mask > 0, x_BT, 0.0)
+    if mode == "token-mean":
+        return x.sum() / denoms["tokens"]
+    if mode == "seq-mean-token-sum":
+        return x.sum() / denoms["seqs"]
+    if mode == "seq-mean-token-mean":
+        return (x.sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).sum() / denoms["seqs"]
+    if mode == "seq-mean-token-sum-norm":
+        return x.sum() / (denoms["seqs"] * norm_len)
+    raise ValueError(f"loss.loss_agg_mode={mode!r}: expected one of {AGG_MODES}")
+
+
+def kl_penalty(logp_BT, ref_logp_BT, kind: str):
+    d = logp_BT - ref_logp_BT
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    return jnp.clip(jnp.exp(-d) + d - 1.0, -10.0, 10.0)  # k3: exp(ref - logp) - (ref - logp) - 1
+
+
+def _masked_mean(x_BT, mask_BT):
+    m = mask_BT.astype(jnp.float32)
+    return jnp.where(m > 0, x_BT, 0.0).sum() / jnp.maximum(m.sum(), 1.0)
+
+
+def policy_loss(cfg: LossConfig, *, logp_BT, old_logp_BT, behaviour_logp_BT, advantages_B, mask_BT, versions_BT,
+                current_version, denoms: dict | None = None, ref_logp_BT=None, entropy_BT=None):
+    """(loss, metrics). Gradients flow through `logp_BT` (and `entropy_BT`) only."""
+    mask = mask_BT.astype(bool)
+    old = jax.lax.stop_gradient(behaviour_logp_BT if cfg.pi_old == "bypass" else old_logp_BT)
+    behaviour = jax.lax.stop_gradient(behaviour_logp_BT)
+    adv_BT = jnp.broadcast_to(advantages_B[:, None], mask.shape).astype(jnp.float32)
+
+    # staleness: mask beyond the cap, decay the rest
+    staleness_BT = current_version - versions_BT
+    fresh_enough = staleness_BT <= cfg.max_staleness
+    decay_BT = jnp.where(fresh_enough, cfg.staleness_decay ** jnp.clip(staleness_BT, 0, None).astype(jnp.float32), 0.0)
+    mask_eff = mask & fresh_enough
+    denoms = denominators(mask_eff) if denoms is None else denoms
+
+    # truncated importance sampling pi_old / pi_behaviour
+    log_is_BT = jnp.where(mask, old - behaviour, 0.0)
+    if cfg.tis == "sequence":
+        log_is_BT = jnp.broadcast_to(log_is_BT.sum(-1, keepdims=True), mask.shape)
+    is_ratio_BT = jnp.exp(jnp.clip(log_is_BT, -20.0, 20.0))
+    tis_BT = jnp.minimum(is_ratio_BT, cfg.tis_cap) if cfg.tis else jnp.ones_like(is_ratio_BT)
+
+    # PPO / GSPO clipped surrogate
+    log_ratio_BT = jnp.where(mask_eff, logp_BT - old, 0.0)
+    if cfg.policy_loss == "gspo":
+        n_B = jnp.maximum(mask_eff.sum(-1, keepdims=True), 1)
+        seq_log_ratio = jax.lax.stop_gradient(log_ratio_BT.sum(-1, keepdims=True) / n_B)
+        log_ratio_BT = logp_BT - jax.lax.stop_gradient(logp_BT) + seq_log_ratio
+    ratio_BT = jnp.exp(jnp.clip(log_ratio_BT, -20.0, 20.0))
+    pg1 = -adv_BT * ratio_BT
+    pg2 = -adv_BT * jnp.clip(ratio_BT, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    pg_BT = jnp.maximum(pg1, pg2)
+    if cfg.clip_c is not None:
+        pg_BT = jnp.where(adv_BT < 0, jnp.minimum(pg_BT, -adv_BT * cfg.clip_c), pg_BT)
+    weighted_BT = pg_BT * tis_BT * decay_BT
+
+    pg_loss = aggregate(weighted_BT, mask_eff, cfg.loss_agg_mode, denoms, cfg.norm_len)
+    loss = pg_loss
+    metrics = {
+        "train/pg_loss": pg_loss,
+        "train/pg_clipfrac": _masked_mean((pg2 > pg1).astype(jnp.float32), mask_eff),
+        "train/ppo_kl": _masked_mean(-log_ratio_BT, mask_eff),
+        "train/is_ratio_mean": _masked_mean(is_ratio_BT, mask),
+        "train/tis_clipfrac": _masked_mean((is_ratio_BT > cfg.tis_cap).astype(jnp.float32), mask) if cfg.tis else 0.0,
+        "train/off_policy_token_frac": _masked_mean((staleness_BT > 0).astype(jnp.float32), mask),
+        "train/stale_masked_frac": _masked_mean((~fresh_enough).astype(jnp.float32), mask),
+    }
+    if ref_logp_BT is not None and cfg.kl_coef:
+        kl = aggregate(kl_penalty(logp_BT, jax.lax.stop_gradient(ref_logp_BT), cfg.kl_type), mask_eff,
+                       cfg.loss_agg_mode, denoms, cfg.norm_len)
+        loss = loss + cfg.kl_coef * kl
+        metrics["train/kl"] = kl
+    if entropy_BT is not None:
+        entropy = aggregate(entropy_BT, mask_eff, cfg.loss_agg_mode, denoms, cfg.norm_len)
+        metrics["train/entropy"] = entropy
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * entropy
+    metrics["train/loss"] = loss
+    return loss, metrics

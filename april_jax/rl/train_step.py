@@ -1,0 +1,222 @@
+"""The sharded, micro-batched policy update.
+
+Parameters and optimiser state are plain nested dicts of arrays (from the NNX state), each leaf
+on its NamedSharding from the model's logical axes; the step is one `jax.jit` over the mesh with
+explicit in/out shardings and donated params and optimiser state. Gradients accumulate over
+micro-batches in a `lax.scan`, so activation memory is bounded by the micro-batch; the loss
+divides by batch-wide denominators, so the micro-batched gradient equals the full-batch one.
+A step whose loss or gradient is not finite is skipped (params and optimiser state unchanged)
+and counted.
+
+Batch (numpy or jax, S = padded prompt + response length, T = S - 1 prediction positions):
+    input_ids [B, S] int32; loss_mask [B, T] (1 where the target token is a response token);
+    behaviour_logp [B, T]; versions [B, T] int32; advantages [B]; optional ref_logp [B, T].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from april_jax.models.qwen3 import Qwen3
+from april_jax.models.sharding import logical_sharding
+from april_jax.rl.losses import LossConfig, denominators, effective_mask, policy_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    schedule: str = "constant"  # or "cosine"
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    if cfg.schedule not in ("constant", "cosine"):
+        raise ValueError(f"optimizer.schedule={cfg.schedule!r}: expected 'constant' or 'cosine'")
+    warmup = max(cfg.warmup_steps, 0)
+    if cfg.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(warmup, 1), max(cfg.total_steps, warmup + 1))
+    elif warmup:
+        schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
+                                        [warmup])
+    else:
+        schedule = optax.constant_schedule(cfg.lr)
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                       optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay))
+
+
+def token_logprobs(model: Qwen3, input_ids_BS, temperature: float = 1.0):
+    """(logp_BT, entropy_BT) of each next token, fp32, at the sampling temperature."""
+    logits_BTV = model(input_ids_BS[:, :-1]).astype(jnp.float32) / temperature
+    logp_all = jax.nn.log_softmax(logits_BTV, axis=-1)
+    logp_BT = jnp.take_along_axis(logp_all, input_ids_BS[:, 1:, None], axis=-1)[..., 0]
+    entropy_BT = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp_BT, entropy_BT
+
+
+def _nest(flat: dict[tuple, object]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+class Trainer:
+    """Holds params + optimiser state on the mesh and runs policy updates."""
+
+    def __init__(self, model: Qwen3, loss_cfg: LossConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
+                 micro_batch_size: int | None = None, temperature: float = 1.0):
+        self.loss_cfg = loss_cfg.validate()
+        self.opt_cfg = opt_cfg
+        self.mesh = mesh
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.graphdef, state = nnx.split(model)
+        self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        self.tx = make_optimizer(opt_cfg)
+        self.skipped_steps = 0
+        self.step_count = 0
+        flat = nnx.to_flat_state(state)
+        if mesh is not None:
+            self.param_shardings = _nest({p: logical_sharding(v.get_metadata()["logical_axes"], v.get_value().shape, mesh)
+                                          for p, v in flat})
+            replicated = NamedSharding(mesh, P())
+            abstract_opt = jax.eval_shape(self.tx.init, nnx.to_pure_dict(state))
+            self.opt_shardings = optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, self.param_shardings,
+                                                       transform_non_params=lambda _: replicated)
+            self.params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
+            self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+        else:
+            self.param_shardings = self.opt_shardings = None
+            self.params = nnx.to_pure_dict(state)
+            self.opt_state = jax.jit(self.tx.init)(self.params)
+        self._step_fns: dict = {}
+
+    # ---- model views ----
+    def model(self, params=None) -> Qwen3:
+        state = jax.tree.map(lambda x: x, self.abstract)
+        nnx.replace_by_pure_dict(state, self.params if params is None else params)
+        return nnx.merge(self.graphdef, state)
+
+    def nnx_state(self) -> nnx.State:
+        """The parameters as an nnx.State (what engines' update_weights takes)."""
+        return nnx.state(self.model())
+
+    # ---- batches ----
+    def _batch_sharding(self, x):
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, P(("data", "fsdp"), *([None] * (np.ndim(x) - 1))))
+
+    def _put(self, batch: dict) -> dict:
+        batch = {k: jnp.asarray(v) for k, v in batch.items() if v is not None and k != "rewards"}
+        if self.mesh is None:
+            return batch
+        return {k: jax.device_put(v, self._batch_sharding(v)) for k, v in batch.items()}
+
+    def _micro(self, batch_size: int) -> int:
+        mb = self.micro_batch_size or batch_size
+        if batch_size % mb:
+            raise ValueError(f"train.micro_batch_size={mb} does not divide the batch of {batch_size} sequences")
+        return batch_size // mb
+
+    # ---- logprobs before the update (pi_old) and of a reference ----
+    def logprobs(self, input_ids_BS, params=None):
+        batch = self._put({"input_ids": input_ids_BS})
+        n_micro = self._micro(batch["input_ids"].shape[0])
+        fn = self._jitted("logprobs", n_micro)
+        return fn(self.params if params is None else params, batch["input_ids"])
+
+    def _jitted(self, kind: str, n_micro: int, with_ref: bool = False):
+        key = (kind, n_micro, with_ref)
+        if key not in self._step_fns:
+            if kind == "logprobs":
+                self._step_fns[key] = jax.jit(partial(self._logprobs_impl, n_micro))
+            else:
+                kw = {}
+                if self.mesh is not None:
+                    kw = dict(out_shardings=(self.param_shardings, self.opt_shardings, None))
+                self._step_fns[key] = jax.jit(partial(self._step_impl, n_micro), donate_argnums=(0, 1), **kw)
+        return self._step_fns[key]
+
+    def _logprobs_impl(self, n_micro, params, input_ids_BS):
+        model = self.model(params)
+        micro = input_ids_BS.reshape(n_micro, -1, input_ids_BS.shape[-1])
+        logp = jax.lax.map(lambda ids: token_logprobs(model, ids, self.temperature)[0], micro)
+        return logp.reshape(input_ids_BS.shape[0], -1)
+
+    # ---- the update ----
+    def step(self, batch: dict, current_version: int) -> dict:
+        """One optimiser step on `batch` (see module docstring); fills old_logp if needed."""
+        batch = dict(batch)
+        if self.loss_cfg.pi_old == "recompute" and batch.get("old_logp") is None:
+            batch["old_logp"] = self.logprobs(batch["input_ids"])
+        if batch.get("old_logp") is None:
+            batch["old_logp"] = batch["behaviour_logp"]
+        batch = self._put(batch)
+        n_micro = self._micro(batch["input_ids"].shape[0])
+        fn = self._jitted("step", n_micro, "ref_logp" in batch)
+        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, batch, jnp.int32(current_version))
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.skipped_steps += int(metrics["train/skipped"])
+        self.step_count += 1
+        metrics["train/skipped_steps"] = self.skipped_steps
+        return metrics
+
+    def loss_and_grads(self, batch: dict, current_version: int):
+        """(metrics, grads) without updating: for tests and diagnostics."""
+        batch = dict(batch)
+        batch.setdefault("old_logp", batch["behaviour_logp"])
+        batch = self._put(batch)
+        fn = jax.jit(partial(self._grads_impl, self._micro(batch["input_ids"].shape[0])))
+        grads, metrics = fn(self.params, batch, jnp.int32(current_version))
+        return metrics, grads
+
+    def _step_impl(self, n_micro, params, opt_state, batch, current_version):
+        grads, metrics = self._grads_impl(n_micro, params, batch, current_version)
+        grad_norm = metrics["train/grad_norm"]
+        updates, new_opt = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        ok = jnp.isfinite(metrics["train/loss"]) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        metrics["train/skipped"] = (~ok).astype(jnp.int32)
+        return keep(new_params, params), keep(new_opt, opt_state), metrics
+
+    def _grads_impl(self, n_micro, params, batch, current_version):
+        batch = {k: v for k, v in batch.items() if k != "rewards"}
+        denoms = denominators(effective_mask(self.loss_cfg, batch["loss_mask"], batch["versions"], current_version))
+        micro = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
+
+        def loss_fn(p, mb):
+            logp, entropy = token_logprobs(self.model(p), mb["input_ids"], self.temperature)
+            return policy_loss(self.loss_cfg, logp_BT=logp, old_logp_BT=mb["old_logp"],
+                               behaviour_logp_BT=mb["behaviour_logp"], advantages_B=mb["advantages"],
+                               mask_BT=mb["loss_mask"], versions_BT=mb["versions"], current_version=current_version,
+                               denoms=denoms, ref_logp_BT=mb.get("ref_logp"), entropy_BT=entropy)
+
+        def body(grads, mb):
+            (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            return jax.tree.map(jnp.add, grads, g), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, metrics = jax.lax.scan(body, zeros, micro)
+        summed = ("train/loss", "train/pg_loss", "train/kl", "train/entropy")
+        metrics = {k: (v.sum() if k in summed else v.mean()) for k, v in metrics.items()}
+        metrics["train/grad_norm"] = optax.tree.norm(grads)
+        return grads, metrics
