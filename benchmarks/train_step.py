@@ -1,0 +1,77 @@
+"""Train-step throughput of a ~40M-parameter Qwen3 and its fraction of a measured matmul peak.
+
+    python benchmarks/train_step.py [--batch 8] [--seq 512] [--micro 8]
+
+The peak is measured in the same run with a large jnp.dot (fp32), so machine noise affects both.
+FLOPs per step: the recompute of pi_old (forward, 2N per token) plus forward+backward of the
+update (6N per token), N = parameters including the lm_head, plus attention (12 L T^2 H D per
+sequence for fwd+bwd, 4 L T^2 H D for the extra forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from april_jax.models import qwen3
+from april_jax.rl.losses import LossConfig
+from april_jax.rl.train_step import OptimizerConfig, Trainer
+from common import CONFIG_40M
+
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    cfg = CONFIG_40M
+    B, S = args.batch, args.seq
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": rng.integers(0, cfg.vocab_size, (B, S)).astype(np.int32),
+             "loss_mask": np.concatenate([np.zeros((B, 64)), np.ones((B, S - 65))], 1).astype(np.float32),
+             "behaviour_logp": np.full((B, S - 1), -10.0, np.float32), "versions": np.zeros((B, S - 1), np.int32),
+             "advantages": rng.normal(size=B).astype(np.float32)}
+    trainer = Trainer(qwen3.init_model(cfg), LossConfig(), OptimizerConfig(lr=1e-6), micro_batch_size=args.micro)
+    t = time.perf_counter()
+    trainer.step(batch, 0)
+    compile_s = time.perf_counter() - t
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        trainer.step(batch, 0)
+        times.append(time.perf_counter() - t)
+    step_s = min(times)
+    peak = matmul_peak_flops()
+    T = S - 1
+    L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
+    flops = 8 * cfg.num_params * B * T + 16 * L * T * T * H * D * B
+    print(json.dumps({
+        "benchmark": "train_step", "backend": jax.default_backend(), "devices": jax.device_count(),
+        "params_m": round(cfg.num_params / 1e6, 1), "batch": B, "seq": S, "micro_batch": args.micro,
+        "compile_s": round(compile_s, 2), "step_s": round(step_s, 3), "tokens_per_s": round(B * T / step_s, 1),
+        "achieved_gflops": round(flops / step_s / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
+        "fraction_of_peak": round(flops / step_s / peak, 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()
