@@ -1,0 +1,96 @@
+"""Inspect and export training checkpoints.
+
+    python -m april_jax.ckpt inspect PATH [--json]     PATH: workdir, checkpoints dir or step dir
+    python -m april_jax.ckpt export-hf PATH OUT        a transformers-loadable checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from april_jax.checkpointing import CheckpointError, read_meta, resolve_step_dir
+
+
+def describe(path) -> dict:
+    import jax
+    import orbax.checkpoint as ocp
+
+    step_dir = resolve_step_dir(path)
+    meta = read_meta(step_dir)
+    md = ocp.StandardCheckpointer().metadata(step_dir / "params")
+    tree = getattr(md, "item_metadata", md)
+    params = []
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+        params.append({"name": name, "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+                       "sharding": str(getattr(leaf, "sharding", None))})
+    buffer = meta["april"]["buffer"]["groups"]
+    samples = [s for g in buffer for s in g["samples"]]
+    return {
+        "path": str(step_dir), "step": meta["step"], "policy_version": meta["version"],
+        "data_position": meta["data"], "skipped_steps": meta["skipped_steps"],
+        "num_params": int(sum(int(__import__("math").prod(p["shape"])) for p in params)),
+        "params": params,
+        "buffer": {"groups": len(buffer),
+                   "complete_groups": sum(all(s["status"] in ("completed", "truncated") for s in g["samples"]) for g in buffer),
+                   "partial_samples": sum(1 for s in samples if s["status"] == "aborted" and s["response_ids"]),
+                   "tokens": sum(len(s["response_ids"]) for s in samples)},
+        "dropped_prompts": len(meta["april"]["dropped"]),
+    }
+
+
+def export_hf(path, out) -> None:
+    import orbax.checkpoint as ocp
+    import jax
+    from flax import nnx
+
+    from april_jax.models import qwen3
+
+    step_dir = resolve_step_dir(path)
+    meta = read_meta(step_dir)
+    cfg = qwen3.Qwen3Config.from_hf_config(meta["model_config"],
+                                           param_dtype=meta["model_config"].get("torch_dtype", "float32"))
+    abstract = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    params = ocp.StandardCheckpointer().restore(step_dir / "params", target)
+    nnx.replace_by_pure_dict(state, params)
+    qwen3.save_pretrained(nnx.merge(graphdef, state), out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m april_jax.ckpt")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("inspect")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true")
+    e = sub.add_parser("export-hf")
+    e.add_argument("path")
+    e.add_argument("out")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "inspect":
+            info = describe(args.path)
+            if args.json:
+                print(json.dumps(info, indent=2))
+                return
+            print(f"{info['path']}\n  step {info['step']}  policy version {info['policy_version']}  "
+                  f"data position {info['data_position']}  skipped steps {info['skipped_steps']}")
+            print(f"  parameters: {info['num_params']:,}")
+            for prm in info["params"]:
+                print(f"    {prm['name']:<50} {str(tuple(prm['shape'])):<16} {prm['dtype']:<9} {prm['sharding']}")
+            b = info["buffer"]
+            print(f"  partial buffer: {b['groups']} groups ({b['complete_groups']} complete), "
+                  f"{b['partial_samples']} partial samples, {b['tokens']} tokens; dropped prompts {info['dropped_prompts']}")
+        else:
+            export_hf(args.path, args.out)
+            print(f"wrote {args.out}")
+    except (CheckpointError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The training config: schema, defaults and validation, in one place.
+
+Config files (`configs/*.py`) define `get_config()` that starts from `default_config()` and
+changes fields; the command line overrides any field with `--config.a.b=value`. Unknown keys
+fail before anything starts, with the nearest valid key suggested; a value of the wrong type
+names the key and the expected type.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+
+import ml_collections
+
+from april_jax.rl.losses import LossConfig
+from april_jax.rl.train_step import OptimizerConfig
+from april_jax.rollout.april import RolloutConfig
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names it."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.workdir = "runs/default"
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""  # Hugging Face checkpoint dir; empty: a random model of `model.arch`
+    c.model.arch = ""  # preset name (qwen3-0.6b ... qwen3-8b) or "tiny" (model.tiny.*) when path is empty
+    c.model.dtype = "float32"  # parameter dtype
+    c.model.compute_dtype = "float32"
+    c.model.tiny = ml_collections.ConfigDict(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+
+    c.data = ml_collections.ConfigDict()
+    c.data.task = "file"  # "file" (jsonl/parquet) or "reverse" (the synthetic tiny task)
+    c.data.train_path = ""
+    c.data.eval_path = ""
+    c.data.prompt_key = "prompt"
+    c.data.answer_key = "answer"
+    c.data.shuffle = True
+    c.data.chat_template = True  # wrap prompts in the tokenizer's chat template
+    c.data.system_prompt = ""
+    c.data.max_prompt_len = 512
+
+    c.reward = ml_collections.ConfigDict()
+    c.reward.fn = "math_verify"  # "math_verify", "reverse" (tiny task) or "module.path:function"
+    c.reward.timeout_s = 5.0
+    c.reward.workers = 2
+    c.reward.overlong_buffer = 0  # DAPO soft overlong punishment window in tokens (0: off)
+    c.reward.overlong_factor = 1.0
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.engine = "jax"  # "jax", "vllm", "sim"
+    for field, value in RolloutConfig().__dict__.items():
+        if field != "stop_token_ids":
+            setattr(c.rollout, field, value)
+    c.rollout.max_num_seqs = 64
+    c.rollout.max_model_len = 0  # 0: max_prompt_len + max_response_len
+    c.rollout.vllm_urls = ""  # comma-separated servers to attach to (vllm engine)
+
+    c.loss = ml_collections.ConfigDict(dict(LossConfig().__dict__))
+    c.loss.clip_c = 0.0  # dual-clip constant for negative advantages (e.g. 3.0); 0: off
+    c.loss.advantage = "grpo"  # "grpo", "drgrpo", "rloo"
+    c.loss.advantage_batch_norm = False
+    c.loss.tis = "token"
+
+    c.optimizer = ml_collections.ConfigDict(dict(OptimizerConfig().__dict__))
+
+    c.train = ml_collections.ConfigDict()
+    c.train.total_steps = 100
+    c.train.micro_batch_size = 0  # 0: the whole batch at once
+    c.train.num_iterations = 1  # PPO epochs over each rollout
+
+    c.warmup = ml_collections.ConfigDict()  # supervised warm-up before RL (fresh runs only)
+    c.warmup.steps = 0
+    c.warmup.lr = 3e-3
+    c.warmup.batch_size = 64
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 10
+    c.checkpoint.keep = 3
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 0  # steps; 0: off
+    c.eval.num_prompts = 64
+    c.eval.n_samples = 4  # avg@k
+    c.eval.temperature = 0.6
+
+    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True))
+    return c
+
+
+def _flat(c: ml_collections.ConfigDict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in c.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_overrides(argv: list[str], flag: str = "config") -> None:
+    """Fail on `--config.x.y=...` keys that are not in the schema, suggesting the nearest one."""
+    known = _flat(default_config())
+    for arg in argv:
+        if not arg.startswith(f"--{flag}."):
+            continue
+        key = arg[len(flag) + 3:].split("=", 1)[0]
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+            hint = f"; did you mean --{flag}.{near[0]}?" if near else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Schema check (keys and types) plus cross-field rules; returns `c`."""
+    known, given = _flat(default_config()), _flat(c)
+    for key, value in given.items():
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+            raise ConfigError(f"unknown config key {key!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+        expected = known[key]
+        if expected is None or value is None:
+            continue
+        ok = isinstance(value, type(expected)) or (isinstance(expected, float) and isinstance(value, int)
+                                                    and not isinstance(value, bool))
+        if isinstance(expected, int) and not isinstance(expected, bool) and isinstance(value, bool):
+            ok = False
+        if not ok:
+            raise ConfigError(f"config key {key!r} expects {type(expected).__name__}, got {value!r} "
+                              f"({type(value).__name__})")
+    choices = {"rollout.engine": ("jax", "vllm", "sim"), "data.task": ("file", "reverse"),
+               "loss.advantage": ("grpo", "drgrpo", "rloo"), "model.dtype": ("float32", "bfloat16", "float16"),
+               "model.compute_dtype": ("float32", "bfloat16", "float16")}
+    for key, allowed in choices.items():
+        if given[key] not in allowed:
+            raise ConfigError(f"config key {key!r}={given[key]!r}: expected one of {allowed}")
+    for key in ("train.total_steps", "checkpoint.every", "checkpoint.keep", "train.num_iterations"):
+        if given[key] <= 0:
+            raise ConfigError(f"config key {key!r}={given[key]}: must be > 0")
+    if not c.model.path and not c.model.arch:
+        raise ConfigError("config: set model.path (a Hugging Face checkpoint dir) or model.arch")
+    if c.data.task == "file" and not c.data.train_path:
+        raise ConfigError("config key 'data.train_path' is empty (data.task='file' needs a jsonl/parquet file)")
+    rollout_cfg(c)
+    loss_cfg(c)
+    return c
+
+
+def rollout_cfg(c, stop_token_ids=()) -> RolloutConfig:
+    fields = {k: c.rollout[k] for k in RolloutConfig().__dict__ if k != "stop_token_ids"}
+    try:
+        return RolloutConfig(**fields, stop_token_ids=tuple(stop_token_ids)).validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def loss_cfg(c) -> LossConfig:
+    fields = {k: c.loss[k] for k in LossConfig().__dict__}
+    fields["tis"] = None if fields["tis"] in ("", "none", None) else fields["tis"]
+    fields["clip_c"] = fields["clip_c"] or None
+    fields["norm_len"] = c.rollout.max_response_len
+    try:
+        return LossConfig(**fields).validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def optimizer_cfg(c) -> OptimizerConfig:
+    return OptimizerConfig(**{k: c.optimizer[k] for k in OptimizerConfig().__dict__})
+
+
+def fail(message: str) -> "None":
+    """One clear line on stderr and exit 2: bad input is not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

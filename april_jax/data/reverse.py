@@ -1,0 +1,87 @@
+"""The synthetic tiny task: reverse a list of digits. Verifiable, with long-tailed answer lengths.
+
+Prompt `<bos> R d1 d2 ... dn =`, answer `dn ... d1 <eos>`. List lengths follow the shape of the
+seed's distribution (50% short, 30% medium, 20% long): 1-4, 5-10, 11-24 digits. A character-level
+vocabulary of 16 tokens; the reward is the fraction of answer positions right (an exact answer
+scores 1; every missing or extra token counts as wrong).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+import numpy as np
+
+from april_jax.rollout.types import PromptRecord
+
+PAD, BOS, EOS, REV, EQ = 0, 1, 2, 3, 4
+DIGIT0 = 5  # digits 0-9 are ids 5..14
+VOCAB_SIZE = 16
+LENGTH_BUCKETS = ((0.5, 1, 4), (0.3, 5, 10), (0.2, 11, 24))
+MAX_ANSWER = 25  # 24 digits + eos
+
+
+def sample_digits(rng: np.random.Generator) -> list[int]:
+    probs = [p for p, _, _ in LENGTH_BUCKETS]
+    lo, hi = LENGTH_BUCKETS[rng.choice(len(LENGTH_BUCKETS), p=probs)][1:]
+    return rng.integers(0, 10, rng.integers(lo, hi + 1)).tolist()
+
+
+def encode_prompt(digits: list[int]) -> list[int]:
+    return [BOS, REV] + [DIGIT0 + d for d in digits] + [EQ]
+
+
+def answer_ids(digits: list[int]) -> list[int]:
+    return [DIGIT0 + d for d in reversed(digits)] + [EOS]
+
+
+def decode(ids) -> str:
+    names = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", REV: "R", EQ: "="}
+    return " ".join(names.get(i, str(i - DIGIT0)) if i < VOCAB_SIZE else "?" for i in ids)
+
+
+class ReverseTask:
+    """Infinite deterministic prompt stream; `position` makes it resumable."""
+
+    def __init__(self, seed: int, split: str = "train"):
+        self.seed, self.split, self.position = seed, split, 0
+
+    def _record(self, index: int) -> PromptRecord:
+        rng = np.random.default_rng([self.seed, 0 if self.split == "train" else 1, index])
+        digits = sample_digits(rng)
+        return PromptRecord(uid=f"{self.split}:{index}", prompt_ids=encode_prompt(digits),
+                            answer=" ".join(map(str, digits[::-1])), source=f"reverse/{self.split}:{index}")
+
+    def __iter__(self) -> Iterator[PromptRecord]:
+        return self
+
+    def __next__(self) -> PromptRecord:
+        record = self._record(self.position)
+        self.position += 1
+        return record
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+    def take(self, n: int) -> list[PromptRecord]:
+        return list(itertools.islice(self, n))
+
+
+def reward(response_ids, answer: str) -> float:
+    target = [DIGIT0 + int(d) for d in answer.split()] + [EOS]
+    got = list(response_ids)
+    right = sum(a == b for a, b in zip(got, target))
+    return right / max(len(got), len(target))
+
+
+def sft_examples(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng([seed, 7])
+    out = []
+    for _ in range(n):
+        digits = sample_digits(rng)
+        out.append((encode_prompt(digits), answer_ids(digits)))
+    return out

@@ -1,0 +1,259 @@
+"""python -m april_jax.train --config configs/tiny.py [--config.a.b=value ...]
+
+One loop: APRIL rollout -> rewards -> advantages -> sharded policy update -> weights to the
+engine -> metrics -> checkpoint. Restarting with the same workdir resumes from the latest
+checkpoint (params, optimiser state, step, version, RNG, data position, APRIL partial buffer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from april_jax import config as config_lib
+from april_jax.config import ConfigError, fail
+
+
+def _coerce_check(argv: list[str]) -> None:
+    """Type-check `--config.x=value` strings before absl parses them (clear one-line errors)."""
+    known = config_lib._flat(config_lib.default_config())
+    for arg in argv:
+        if not arg.startswith("--config.") or "=" not in arg:
+            continue
+        key, value = arg[len("--config."):].split("=", 1)
+        expected = known.get(key)
+        if isinstance(expected, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ConfigError(f"config key {key!r} expects bool, got {value!r}")
+        elif isinstance(expected, (int, float)):
+            try:
+                type(expected)(value) if isinstance(expected, float) else int(value)
+            except ValueError:
+                raise ConfigError(f"config key {key!r} expects {type(expected).__name__}, got {value!r}") from None
+
+
+def load_config(argv: list[str]):
+    """Parse --config FILE and --config.* overrides with ml_collections config_flags."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_lib.check_overrides(argv)
+    _coerce_check(argv)
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        raise ConfigError("missing --config FILE (e.g. --config configs/tiny.py)")
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "training config file", flag_values=fv, lock_config=True,
+                                    sys_argv=argv)
+    try:
+        fv(argv)
+    except (flags.Error, FileNotFoundError, OSError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    return config_lib.validate(fv.config)
+
+
+def build_task(c, model_path: str | None):
+    """(train prompts, eval prompts, stop ids, reward model, vocab size or None, decode fn)."""
+    from april_jax.rl.rewards import RewardModel
+
+    if c.data.task == "reverse":
+        from april_jax.data import reverse
+
+        return (reverse.ReverseTask(c.seed, "train"), reverse.ReverseTask(c.seed, "eval").take(c.eval.num_prompts),
+                (reverse.EOS,), RewardModel("reverse"), reverse.VOCAB_SIZE, reverse.decode)
+    from april_jax.data.dataset import PromptDataset, read_rows
+    from april_jax.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_path, system_prompt=c.data.system_prompt, chat=c.data.chat_template)
+    train = PromptDataset(read_rows(c.data.train_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
+                          seed=c.seed, shuffle=c.data.shuffle, max_prompt_len=c.data.max_prompt_len)
+    eval_prompts = []
+    if c.data.eval_path:
+        ev = PromptDataset(read_rows(c.data.eval_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
+                           shuffle=False, max_prompt_len=c.data.max_prompt_len)
+        eval_prompts = [next(ev) for _ in range(min(c.eval.num_prompts, len(ev.rows)))]
+    reward = RewardModel(c.reward.fn, decode=tok.decode, timeout_s=c.reward.timeout_s, workers=c.reward.workers)
+    return train, eval_prompts, tuple(tok.stop_ids), reward, None, tok.decode
+
+
+def build_model(c, mesh, vocab_size):
+    import jax.numpy as jnp
+
+    from april_jax.models import qwen3
+
+    dtype = qwen3.as_dtype(c.model.dtype)
+    compute = qwen3.as_dtype(c.model.compute_dtype)
+    if c.model.path:
+        return qwen3.from_pretrained(c.model.path, dtype=dtype, compute_dtype=compute, mesh=mesh)
+    if c.model.arch == "tiny":
+        cfg = qwen3.Qwen3Config(vocab_size=vocab_size or 1024, param_dtype=dtype, dtype=compute,
+                                max_position_embeddings=4096, **c.model.tiny.to_dict())
+    elif c.model.arch in qwen3.PRESETS:
+        cfg = qwen3.PRESETS[c.model.arch].replace(param_dtype=dtype, dtype=compute)
+    else:
+        raise ConfigError(f"config key 'model.arch'={c.model.arch!r}: expected 'tiny' or one of {sorted(qwen3.PRESETS)}")
+    del jnp
+    return qwen3.init_model(cfg, seed=c.seed, mesh=mesh)
+
+
+def build_engine(c, model, max_model_len: int, version: int):
+    if c.rollout.engine == "jax":
+        from april_jax.rollout.jax_engine import JaxEngine
+
+        return JaxEngine(model, max_num_seqs=c.rollout.max_num_seqs, max_model_len=max_model_len, seed=c.seed,
+                         policy_version=version)
+    if c.rollout.engine == "sim":
+        from april_jax.rollout.sim_engine import SimEngine
+
+        return SimEngine(slots=c.rollout.max_num_seqs, seed=c.seed, max_model_len=max_model_len,
+                         length_scale=c.rollout.max_response_len / 32768, policy_version=version)
+    raise ConfigError("config key 'rollout.engine'='vllm': the vLLM sidecar engine is not implemented yet")
+
+
+def evaluate(engine, prompts, reward, c, stop_ids, version: int) -> dict:
+    """avg@k: mean reward over k samples per held-out prompt; pass@1-style accuracy = reward == 1."""
+    from april_jax.rollout.types import Request, SamplingParams
+
+    if not prompts:
+        return {}
+    reqs = [Request(f"eval/{i}/{k}", p.prompt_ids, c.rollout.max_response_len,
+                    SamplingParams(c.eval.temperature, seed=1000 * i + k), stop_ids)
+            for i, p in enumerate(prompts) for k in range(c.eval.n_samples)]
+    out = engine.generate(reqs)
+    scores = np.array([reward.score(out[r.request_id].token_ids, prompts[int(r.request_id.split("/")[1])].answer)
+                       for r in reqs])
+    return {f"eval/avg@{c.eval.n_samples}": float(scores.mean()), "eval/accuracy": float(np.mean(scores >= 1.0)),
+            "eval/response_len": float(np.mean([len(out[r.request_id].token_ids) for r in reqs]))}
+
+
+def _truncate_log(file: Path, keep_below: int) -> None:
+    """Keep only lines of steps < keep_below: a resumed run re-does later steps."""
+    if file.exists():
+        lines = [l for l in file.read_text().splitlines() if l.strip() and json.loads(l)["step"] < keep_below]
+        file.write_text("".join(l + "\n" for l in lines))
+
+
+def run(c) -> dict:
+    import jax
+
+    from april_jax.checkpointing import Checkpointer
+    from april_jax.metrics import MetricsWriter
+    from april_jax.models import sharding
+    from april_jax.rl.advantages import overlong_penalty
+    from april_jax.rl.batch import groups_to_batch
+    from april_jax.rl.train_step import Trainer
+    from april_jax.rollout.april import April
+
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_NTASKS", "1") != "1":
+        jax.distributed.initialize()  # multi-host: the mesh then spans every host's devices
+    workdir = Path(c.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(c.to_json(indent=2))
+    mesh = sharding.make_mesh(c.mesh.to_dict())
+
+    train_prompts, eval_prompts, stop_ids, reward, vocab, _ = build_task(c, c.model.path or None)
+    model = build_model(c, mesh if jax.device_count() > 1 else None, vocab)
+    max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
+    loss_cfg = config_lib.loss_cfg(c)
+    trainer = Trainer(model, loss_cfg, config_lib.optimizer_cfg(c), mesh=mesh if jax.device_count() > 1 else None,
+                      micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0)
+    ckpt = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep)
+
+    def score(sample, prompt):
+        r = reward.score(sample.response_ids, prompt.answer)
+        if c.reward.overlong_buffer:
+            r += float(overlong_penalty(len(sample.response_ids), c.rollout.max_response_len,
+                                        c.reward.overlong_buffer, c.reward.overlong_factor))
+        return r
+
+    april = April(config_lib.rollout_cfg(c, stop_ids), train_prompts, score)
+    start, version = 0, 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        params, opt_state, meta = ckpt.restore(latest, trainer.params, trainer.opt_state,
+                                               trainer.param_shardings, trainer.opt_shardings)
+        trainer.params, trainer.opt_state = params, opt_state
+        trainer.skipped_steps = meta["skipped_steps"]
+        start, version = meta["step"], meta["version"]
+        train_prompts.load_state_dict(meta["data"])
+        april.load_state_dict(meta["april"])
+        print(f"resumed from {ckpt.directory / str(latest)} (step {start}, version {version}, "
+              f"{len(april.buffer)} buffered groups)", file=sys.stderr)
+    elif c.warmup.steps:
+        from april_jax.rl import sft
+
+        if c.data.task != "reverse":
+            raise ConfigError("config key 'warmup.steps' > 0 needs data.task='reverse' (supervised examples)")
+        from april_jax.data import reverse
+
+        losses = sft.warmup(model, reverse.sft_examples(c.seed, 20_000), steps=c.warmup.steps, lr=c.warmup.lr,
+                            batch_size=c.warmup.batch_size, seed=c.seed)
+        trainer = Trainer(model, loss_cfg, config_lib.optimizer_cfg(c), mesh=trainer.mesh,
+                          micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0)
+        print(f"supervised warm-up: {c.warmup.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=sys.stderr)
+    for name in ("metrics.jsonl", "delivered.jsonl"):
+        _truncate_log(workdir / name, start)
+
+    engine = build_engine(c, trainer.model(), max_model_len, version)
+    writer = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
+                           total_steps=c.train.total_steps)
+    last = {}
+    try:
+        for step in range(start, c.train.total_steps):
+            t0 = time.perf_counter()
+            groups, metrics = april.collect(engine, version)
+            t1 = time.perf_counter()
+            if not groups:
+                raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
+            batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
+            for _ in range(c.train.num_iterations):
+                metrics.update(trainer.step(batch, version))
+            t2 = time.perf_counter()
+            version += 1
+            engine.update_weights(trainer.nnx_state() if c.rollout.engine == "jax" else None, version)
+            t3 = time.perf_counter()
+            metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+                            "reward/failures": reward.failures, "version": version})
+            if c.eval.every and (step + 1) % c.eval.every == 0:
+                metrics.update(evaluate(engine, eval_prompts, reward, c, stop_ids, version))
+            with open(workdir / "delivered.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
+            if (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps:
+                t4 = time.perf_counter()
+                meta = {"step": step + 1, "version": version, "skipped_steps": trainer.skipped_steps,
+                        "data": train_prompts.state_dict(), "april": april.state_dict(),
+                        "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
+                ckpt.save(step + 1, trainer.params, trainer.opt_state, meta)
+                metrics["time/ckpt_s"] = time.perf_counter() - t4
+            writer.write(step, metrics)
+            last = metrics
+    finally:
+        ckpt.close()
+        writer.close()
+        reward.close()
+    return last
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        c = load_config(argv)
+        run(c)
+    except ConfigError as e:
+        fail(str(e))
+    except (FileNotFoundError, ValueError) as e:
+        from april_jax.checkpointing import CheckpointError
+        from april_jax.data.dataset import DataError
+        from april_jax.models.safetensors_io import CheckpointError as WeightsError
+
+        if isinstance(e, (DataError, CheckpointError, WeightsError, FileNotFoundError)):
+            fail(str(e))
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""End to end: the training CLI on configs/tiny.py, resume after kill -9, ckpt inspect/export, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from april_jax import config as config_lib
+from april_jax.ckpt import describe
+from april_jax.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--config.warmup.steps=5", "--config.rollout.rollout_batch_size=4", "--config.rollout.over_sampling_batch_size=8",
+         "--config.rollout.n_samples_per_prompt=4", "--config.rollout.max_num_seqs=32", "--config.train.micro_batch_size=16",
+         "--config.eval.num_prompts=4", "--config.log.progress=false", "--config.log.tensorboard=false"]
+KEYS = ["step", "rollout/time_s", "rollout/tokens_per_s", "rollout/occupancy", "rollout/aborted", "rollout/resumed",
+        "rollout/off_policy_token_frac", "rollout/staleness_max", "rollout/staleness_mean", "rollout/response_len/mean",
+        "rollout/response_len/max", "rollout/response_len/p50", "rollout/truncated_frac", "reward/mean",
+        "reward/zero_std_groups", "train/loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy", "train/grad_norm",
+        "train/is_ratio_mean", "train/tis_clipfrac", "time/rollout_s", "time/train_s", "time/sync_s"]
+
+
+def train_cmd(workdir, *extra):
+    return [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
+            f"--config.workdir={workdir}", *SMALL, *extra]
+
+
+def run_train(workdir, *extra, check=True):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.run(train_cmd(workdir, *extra), capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr[-3000:])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tiny")
+    run_train(workdir, "--config.train.total_steps=2", "--config.checkpoint.every=1", "--config.eval.every=2")
+    return workdir
+
+
+def test_two_step_run_writes_named_metrics(two_steps):
+    rows = read_metrics(two_steps)
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in KEYS:
+        assert key in rows[0], key
+    assert "eval/avg@2" in rows[1] and 0 <= rows[1]["eval/avg@2"] <= 1
+    assert json.loads((two_steps / "config.json").read_text())["rollout"]["engine"] == "jax"
+
+
+def test_ckpt_inspect_and_export_hf(two_steps, tmp_path):
+    info = describe(two_steps)
+    assert info["step"] == 2 and info["policy_version"] == 2
+    names = {p["name"]: p for p in info["params"]}
+    assert names["layers.0.mlp.up_proj.weight"]["shape"] == [128, 64]
+    assert info["buffer"]["groups"] >= 0 and "tokens" in info["buffer"]
+    cli = subprocess.run([sys.executable, "-m", "april_jax.ckpt", "inspect", str(two_steps), "--json"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert cli.returncode == 0 and json.loads(cli.stdout)["step"] == 2
+
+    subprocess.run([sys.executable, "-m", "april_jax.ckpt", "export-hf", str(two_steps), str(tmp_path / "hf")],
+                   check=True, capture_output=True, cwd=ROOT)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    from april_jax.models import qwen3
+
+    ours = qwen3.from_pretrained(tmp_path / "hf")
+    ids = np.array([[1, 3, 5, 6, 7, 4]])
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    assert np.abs(np.asarray(ours(jnp.asarray(ids, jnp.int32))) - ref).max() < 1e-4
+
+
+def test_kill_9_then_resume_trains_every_prompt_once(tmp_path):
+    workdir = tmp_path / "run"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.Popen(train_cmd(workdir, "--config.train.total_steps=6", "--config.checkpoint.every=1"),
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 300
+    while not (workdir / "checkpoints" / "3" / "commit_success.txt").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline, "no checkpoint 3 in time"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(r["step"] for r in read_metrics(workdir))
+    assert killed_at < 5, "the run finished before it was killed"
+
+    resumed = run_train(workdir, "--config.train.total_steps=6", "--config.checkpoint.every=1")
+    assert "resumed from" in resumed.stderr
+    rows = read_metrics(workdir)
+    assert [r["step"] for r in rows] == list(range(6)), "metrics continue without gaps or repeats"
+    assert rows[-1]["version"] == 6
+    delivered = [json.loads(l) for l in (workdir / "delivered.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in delivered] == list(range(6))
+    uids = [u for d in delivered for u in d["uids"]]
+    assert len(uids) == len(set(uids)) == 6 * 4, "a prompt was trained twice"
+    info = describe(workdir)
+    drawn = info["data_position"]["position"]
+    # every drawn prompt is trained, still in the buffer, or counted as dropped: none skipped
+    assert len(uids) + info["buffer"]["groups"] + info["dropped_prompts"] == drawn
+
+
+def test_configs_parse_and_validate():
+    from april_jax.train import load_config
+
+    for name in ("tiny", "qwen3_4b", "qwen3_8b"):
+        c = load_config(["x", "--config", str(ROOT / f"configs/{name}.py")])
+        assert c.rollout.rollout_batch_size > 0
+    c = load_config(["x", "--config", str(ROOT / "configs/qwen3_4b.py"), "--config.rollout.over_sampling_batch_size=96"])
+    assert (c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt, c.rollout.over_sampling_batch_size) == (32, 8, 96)
+    assert c.rollout.temperature == 0.8 and c.optimizer.lr == 1e-6 and c.rollout.max_response_len == 16384
+    assert c.model.dtype == "bfloat16" and c.rollout.engine == "vllm"
+    assert load_config(["x", "--config", str(ROOT / "configs/qwen3_8b.py")]).mesh.tensor == 2
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--config.rollout.over_sampling_batchsize=64"], "unknown config key 'rollout.over_sampling_batchsize'; did you mean --config.rollout.over_sampling_batch_size?"),
+    (["--config.train.total_steps=ten"], "config key 'train.total_steps' expects int, got 'ten'"),
+    (["--config.rollout.over_sampling_batch_size=2"], "rollout.over_sampling_batch_size=2: must be >= rollout.rollout_batch_size=4"),
+    (["--config.rollout.engine=tpu"], "config key 'rollout.engine'='tpu'"),
+])
+def test_bad_config_is_one_clear_line(tmp_path, extra, message):
+    proc = run_train(tmp_path / "w", *extra, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {message}" or message in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "w").exists(), "nothing may be written for a bad config"
+
+
+def test_bad_dataset_rows_name_file_and_line(tmp_path):
+    good = tmp_path / "data.jsonl"
+    good.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?" "answer": "4"}\n')
+    from april_jax.data.dataset import DataError, read_rows
+
+    with pytest.raises(DataError, match=r"data.jsonl:2: invalid JSON"):
+        read_rows(str(good), "prompt", "answer")
+    good.write_text('{"prompt": "1+1?", "answer": "2"}\n{"question": "x", "answer": "4"}\n')
+    with pytest.raises(DataError, match=r"data.jsonl:2: row lacks field 'prompt'"):
+        read_rows(str(good), "prompt", "answer")
+    with pytest.raises(DataError, match="missing.jsonl: dataset file not found"):
+        read_rows(str(tmp_path / "missing.jsonl"), "prompt", "answer")
+
+
+def test_missing_dataset_file_and_missing_checkpoint_fail_cleanly(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/qwen3_4b.py"),
+                           f"--config.workdir={tmp_path / 'w'}", f"--config.model.path={tmp_path / 'nockpt'}"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+    cli = subprocess.run([sys.executable, "-m", "april_jax.ckpt", "inspect", str(tmp_path / "none")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert cli.returncode == 2 and cli.stderr.strip() == f"error: {tmp_path / 'none'}: checkpoint not found"
+
+
+def test_raising_reward_function_is_counted_not_fatal(tmp_path):
+    from april_jax.rl.rewards import RewardModel
+
+    model = RewardModel("tests.reward_fns:explodes", decode=lambda ids: "x")
+    assert model.score([1, 2], "3") == 0.0 and model.failures == 1
+    with pytest.raises(ValueError, match="reward.fn='no_such_module:f': cannot import"):
+        RewardModel("no_such_module:f")
