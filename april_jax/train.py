@@ -53,7 +53,14 @@ def load_config(argv: list[str]):
         fv(argv)
     except (flags.Error, FileNotFoundError, OSError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    return config_lib.validate(fv.config)
+    c = config_lib.validate(fv.config)
+    from april_jax import assets
+
+    with c.unlocked():
+        c.model.path = assets.resolve(c.model.path)
+        c.data.train_path = assets.resolve(c.data.train_path)
+        c.data.eval_path = assets.resolve(c.data.eval_path)
+    return c
 
 
 def build_task(c, model_path: str | None):

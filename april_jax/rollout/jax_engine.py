@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import time
 from functools import partial
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ from flax import nnx
 
 from april_jax.models.qwen3 import KVCache, Qwen3
 from april_jax.rollout import sampling
-from april_jax.rollout.types import Request, Result
+from april_jax.rollout.types import PollingEngine, Request, Result
 
 
 @dataclasses.dataclass
@@ -99,7 +99,7 @@ def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(buckets) + (max_model_len,)
 
 
-class JaxEngine:
+class JaxEngine(PollingEngine):
     def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
                  policy_version: int = 0, cache_dtype=None):
         if max_num_seqs <= 0 or max_model_len <= 1:
@@ -146,14 +146,6 @@ class JaxEngine:
             self._decode_step(busy, finished)
         self._stats["time_s_x1e6"] += int((time.perf_counter() - t) * 1e6)
         return finished
-
-    def run(self) -> Iterator[Result]:
-        while self.has_unfinished():
-            yield from self.step()
-
-    def generate(self, requests: Iterable[Request]) -> dict[str, Result]:
-        self.submit(requests)
-        return {r.request_id: r for r in self.run()}
 
     def abort(self, request_ids: Iterable[str]) -> list[Result]:
         """Stop these requests; their results hold exactly the tokens generated so far."""

@@ -25,11 +25,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import zlib
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 
-from april_jax.rollout.types import Request, Result
+from april_jax.rollout.types import PollingEngine, Request, Result
 
 SEED_DISTRIBUTION = ((0.5, 1, 1024), (0.3, 1024, 8192), (0.2, 8192, 32768))
 
@@ -61,7 +61,7 @@ class _Running:
         return Result(self.request.request_id, tokens, [-1.0] * n, versions.tolist(), reason)
 
 
-class SimEngine:
+class SimEngine(PollingEngine):
     def __init__(self, *, slots: int = 256, t0: float | None = None, c: float = 0.0, prefill_s_per_token: float = 0.00073,
                  length_scale: float = 1.0, seed: int = 0, max_model_len: int = 1 << 20, policy_version: int = 0):
         self.max_num_seqs = slots
@@ -118,14 +118,6 @@ class SimEngine:
         self._stats["prefill_tokens"] += len(r.prompt_ids)
         remaining = max(1, total - self._progress.get(key, 0))
         return _Running(r, key, remaining, version_marks=[(0, self.policy_version)])
-
-    def run(self) -> Iterator[Result]:
-        while self.has_unfinished():
-            yield from self.step()
-
-    def generate(self, requests: Iterable[Request]) -> dict[str, Result]:
-        self.submit(requests)
-        return {r.request_id: r for r in self.run()}
 
     def abort(self, request_ids: Iterable[str]) -> list[Result]:
         ids = set(request_ids)

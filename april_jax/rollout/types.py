@@ -123,3 +123,15 @@ class Group:
     @classmethod
     def from_dict(cls, d: dict) -> "Group":
         return cls(d["group_id"], PromptRecord(**d["prompt"]), [Sample(**s) for s in d["samples"]])
+
+
+class PollingEngine:
+    """`run` / `generate` for engines that expose `submit`, `step` and `has_unfinished`."""
+
+    def run(self):
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, requests) -> dict[str, Result]:
+        self.submit(requests)
+        return {r.request_id: r for r in self.run()}
