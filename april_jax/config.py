@@ -45,6 +45,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.chat_template = True  # wrap prompts in the tokenizer's chat template
     c.data.system_prompt = ""
     c.data.max_prompt_len = 512
+    c.data.tokenizer_path = ""  # dir with tokenizer.json; empty: model.path ("asset:qwen3-tokenizer": real Qwen3)
 
     c.reward = ml_collections.ConfigDict()
     c.reward.fn = "math_verify"  # "math_verify", "reverse" (tiny task) or "module.path:function"

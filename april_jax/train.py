@@ -60,6 +60,7 @@ def load_config(argv: list[str]):
         c.model.path = assets.resolve(c.model.path)
         c.data.train_path = assets.resolve(c.data.train_path)
         c.data.eval_path = assets.resolve(c.data.eval_path)
+        c.data.tokenizer_path = assets.resolve(c.data.tokenizer_path)
     return c
 
 
@@ -75,7 +76,8 @@ def build_task(c, model_path: str | None):
     from april_jax.data.dataset import PromptDataset, read_rows
     from april_jax.data.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(model_path, system_prompt=c.data.system_prompt, chat=c.data.chat_template)
+    tok = load_tokenizer(c.data.tokenizer_path or model_path, system_prompt=c.data.system_prompt,
+                         chat=c.data.chat_template)
     train = PromptDataset(read_rows(c.data.train_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
                           seed=c.seed, shuffle=c.data.shuffle, max_prompt_len=c.data.max_prompt_len)
     eval_prompts = []

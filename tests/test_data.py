@@ -1,0 +1,67 @@
+"""Datasets (jsonl/parquet, shuffling, resumable position) and the real Qwen3 tokenizer."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from april_jax import assets
+from april_jax.data.dataset import DataError, PromptDataset, read_rows
+from april_jax.data.tokenizer import ChatTokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return ChatTokenizer(assets.qwen3_tokenizer())
+
+
+def test_qwen3_tokenizer_matches_known_ids(qwen):
+    assert qwen.tok.encode("Hello world").ids == [9707, 1879]
+    chat = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    assert qwen.tok.encode(chat).ids == [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198]
+    assert qwen.tok.encode(" \\boxed{72}").ids == [1124, 79075, 90, 22, 17, 92]
+    assert qwen.tok.token_to_id("</think>") == 151668 and qwen.tok.token_to_id("<tool_call>") == 151657
+    text = "Natalia sold 48/2 = 24 clips in May. ✓ naïve café 東京"
+    assert qwen.decode(qwen.tok.encode(text).ids) == text
+
+
+def test_qwen3_chat_prompt(qwen):
+    assert qwen.render("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert qwen.encode_prompt("hi")[:2] == [151644, 872]
+    assert 151645 in qwen.stop_ids and 151643 in qwen.stop_ids
+
+
+def write_jsonl(path, n):
+    path.write_text("".join(json.dumps({"q": f"question {i}", "a": str(i)}) + "\n" for i in range(n)))
+
+
+def test_dataset_epochs_shuffle_and_resume(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", 5)
+    rows = read_rows(str(tmp_path / "d.jsonl"), "q", "a")
+    encode = lambda s: [ord(c) for c in s]
+    ds = PromptDataset(rows, encode, seed=3)
+    first = [next(ds) for _ in range(7)]
+    assert sorted(r.answer for r in first[:5]) == [str(i) for i in range(5)]  # one epoch: every row once
+    assert [r.uid for r in first[5:]] == ["1:0", "1:1"]
+    assert [r.answer for r in first[:5]] != [str(i) for i in range(5)]  # shuffled
+    again = PromptDataset(rows, encode, seed=3)
+    again.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+    cont = PromptDataset(rows, encode, seed=3)
+    for _ in range(7):
+        next(cont)
+    assert [next(again).answer for _ in range(6)] == [next(cont).answer for _ in range(6)]
+    assert first[0].source.endswith("d.jsonl:" + str(int(first[0].answer) + 1))
+
+
+def test_parquet_rows_and_long_prompt_error(tmp_path):
+    pq.write_table(pa.table({"prompt": ["a", "bbbbbb"], "answer": [1, 2]}), tmp_path / "d.parquet")
+    rows = read_rows(str(tmp_path / "d.parquet"), "prompt", "answer")
+    assert rows[1][:2] == ("bbbbbb", "2") and rows[1][2].endswith("d.parquet:row 1")
+    ds = PromptDataset(rows, lambda s: list(range(len(s))), shuffle=False, max_prompt_len=3)
+    assert next(ds).prompt_ids == [0]
+    with pytest.raises(DataError, match=r"d.parquet:row 1: prompt has 6 tokens, more than data.max_prompt_len=3"):
+        next(ds)
+    pq.write_table(pa.table({"prompt": [""], "answer": [1]}), tmp_path / "e.parquet")
+    with pytest.raises(DataError, match=r"e.parquet:row 0: field 'prompt' must be a non-empty string"):
+        read_rows(str(tmp_path / "e.parquet"), "prompt", "answer")
