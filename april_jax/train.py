@@ -90,8 +90,6 @@ def build_task(c, model_path: str | None):
 
 
 def build_model(c, mesh, vocab_size):
-    import jax.numpy as jnp
-
     from april_jax.models import qwen3
 
     dtype = qwen3.as_dtype(c.model.dtype)
@@ -105,7 +103,6 @@ def build_model(c, mesh, vocab_size):
         cfg = qwen3.PRESETS[c.model.arch].replace(param_dtype=dtype, dtype=compute)
     else:
         raise ConfigError(f"config key 'model.arch'={c.model.arch!r}: expected 'tiny' or one of {sorted(qwen3.PRESETS)}")
-    del jnp
     return qwen3.init_model(cfg, seed=c.seed, mesh=mesh)
 
 
