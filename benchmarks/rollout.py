@@ -70,7 +70,8 @@ class LengthBudgetEngine:
         return self._fix(self.engine.abort_all())
 
 
-def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prefill_ms=None):
+def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prefill_ms=None,
+                min_prefill_batch: int = 1):
     if kind == "sim":
         extra = {} if prefill_ms is None else {"prefill_s_per_token": prefill_ms / 1000}
         return SimEngine(slots=slots, seed=seed, length_scale=length_scale, **extra)
@@ -81,7 +82,7 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
     from april_jax.rollout.jax_engine import JaxEngine
 
     engine = JaxEngine(qwen3.init_model(cfg, seed=seed), max_num_seqs=slots, max_model_len=64 + max_response_len + 1,
-                       seed=seed)
+                       seed=seed, min_prefill_batch=min_prefill_batch)
     engine.warmup(modes=("sample",))
     return LengthBudgetEngine(engine, seed, length_scale)
 
@@ -92,7 +93,7 @@ def run(mode: str, args) -> dict:
                         over_sampling_batch_size=32 if sync else 64, partial_rollout=not sync,
                         max_response_len=args.max_response_len, temperature=1.0)
     engine = make_engine(args.engine, args.seed, args.slots, args.length_scale, args.max_response_len,
-                         args.prefill_ms_per_token)
+                         args.prefill_ms_per_token, args.min_prefill_batch)
     april = April(cfg, prompts(args.seed))
     tokens = time = off_policy = 0.0
     delivered_tokens, dropped = 0, 0
@@ -122,6 +123,7 @@ def main():
     parser.add_argument("--max-response-len", type=int, default=None)
     parser.add_argument("--prefill-ms-per-token", type=float, default=None,
                         help="sim only; default: the CPU-calibrated 0.73 (a GPU is ~0.02)")
+    parser.add_argument("--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free")
     parser.add_argument("--png", default=None, help="write busy slots over time for both modes")
     args = parser.parse_args()
     if args.slots is None:
@@ -138,7 +140,7 @@ def main():
     out = {
         "benchmark": "rollout", "engine": args.engine, "steps": args.steps, "seed": args.seed, "slots": args.slots,
         "length_scale": args.length_scale, "max_response_len": args.max_response_len,
-        "prefill_ms_per_token": args.prefill_ms_per_token,
+        "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
         "speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
         "limit_tokens_per_s": round(limit, 1),

@@ -178,3 +178,12 @@ def test_update_weights_versions_tokens_and_changes_output(tiny, prompts, greedy
     after = engine.generate([Request("b", prompts[5], 32, GREEDY)])["b"]
     assert after.token_ids == fresh.token_ids != out["5"].token_ids
     assert after.versions == [1] * 32 and engine.policy_version == 1
+
+
+def test_batched_refill_gives_the_same_tokens(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    engine = engine_for(model, min_prefill_batch=3)
+    got = engine.generate([Request(str(i), p, 32, GREEDY) for i, p in enumerate(prompts)])
+    assert all(got[str(i)].token_ids == out[str(i)].token_ids for i in range(len(prompts)))
+    assert engine.stats()["prefill_tokens"] == sum(map(len, prompts))

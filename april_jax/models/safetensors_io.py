@@ -78,25 +78,31 @@ class SafetensorsDir:
         return array if index is None else array[index]
 
 
+def layout(tensors: dict[str, np.ndarray]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """(length-prefixed header bytes, {name: (start, end) byte offsets from the file start})."""
+    header, offset, spans = {"__metadata__": {"format": "pt"}}, 0, {}
+    for name, array in tensors.items():
+        dtype = np.dtype(array.dtype)
+        if dtype not in _NAMES:
+            raise CheckpointError(f"tensor {name!r}: dtype {dtype} cannot be written to safetensors")
+        nbytes = int(np.prod(array.shape)) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(array.shape), "data_offsets": [offset, offset + nbytes]}
+        spans[name] = (offset, offset + nbytes)
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    prefix = struct.pack("<Q", len(header_bytes)) + header_bytes
+    return prefix, {k: (a + len(prefix), b + len(prefix)) for k, (a, b) in spans.items()}
+
+
 def save_file(tensors: dict[str, np.ndarray], file: str | os.PathLike) -> None:
     """Write `tensors` as one safetensors file, atomically (temp file + rename)."""
     file = Path(file)
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    arrays = {}
-    for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
-        if array.dtype not in _NAMES:
-            raise CheckpointError(f"tensor {name!r}: dtype {array.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": _NAMES[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        arrays[name] = array
-        offset += array.nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
+    arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
+    prefix, _ = layout(arrays)
     tmp = file.with_name(file.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
+        f.write(prefix)
         for array in arrays.values():
             f.write(memoryview(array.reshape(-1).view(np.uint8)))
         f.flush()

@@ -101,13 +101,16 @@ def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
 
 class JaxEngine(PollingEngine):
     def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
-                 policy_version: int = 0, cache_dtype=None):
+                 policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1):
         if max_num_seqs <= 0 or max_model_len <= 1:
             raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len} must be positive")
         self.graphdef, self._state = nnx.split(model)
         self._prefill, self._decode = compiled_steps(self.graphdef)
         self.cfg = model.cfg
         self.max_num_seqs = max_num_seqs
+        # Refill only when this many slots are free (or the queue is that short, or the engine is
+        # idle): one prefill call per freed slot costs more than the decode step on small models.
+        self.min_prefill_batch = max(1, min_prefill_batch)
         self.max_model_len = max_model_len
         self.buckets = prefill_buckets(max_model_len)
         self.policy_version = policy_version
@@ -138,9 +141,9 @@ class JaxEngine(PollingEngine):
         t = time.perf_counter()
         finished, self._ready = self._ready, []
         free = [i for i, s in enumerate(self._slots) if s is None]
-        starting = [(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]]
-        if starting:
-            self._start(starting, finished)
+        enough = len(free) >= min(self.min_prefill_batch, len(self._queue)) or len(free) == self.max_num_seqs
+        if self._queue and free and enough:
+            self._start([(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]], finished)
         busy = [i for i, s in enumerate(self._slots) if s is not None]
         if busy:
             self._decode_step(busy, finished)

@@ -1,0 +1,76 @@
+"""Trainer -> engine weight transport: HF-named tensors from JAX params, zero-copy where possible.
+
+- `named_numpy(params)`: {hf_name: numpy view} of an nnx.State / model, gathered to host.
+  On CPU, `np.asarray` of an unsharded jax array is a view (no copy).
+- `named_torch(params)`: {hf_name: torch.Tensor} via DLPack, zero-copy for unsharded arrays
+  on the same device (CPU or one GPU). Sharded arrays are gathered first (DLPack cannot export
+  them). An in-place torch write would change the "immutable" JAX array: treat them read-only.
+- `write_safetensors(named, path)`: the file transport (a new file per sync).
+- `SharedSafetensors(example, path)`: the shared-memory transport on one host. A safetensors
+  file in /dev/shm is laid out once; each sync copies every tensor into its memory-mapped slot
+  (one memcpy per byte, no page allocation, no fsync), and the engine maps the same file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from april_jax.models.hf import hf_name
+from april_jax.models.safetensors_io import layout, save_file
+
+
+def _flat(params) -> dict:
+    state = nnx.state(params, nnx.Param) if isinstance(params, nnx.Module) else params
+    return {hf_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def _unsharded(array):
+    import jax
+
+    if len(getattr(array, "sharding", None).device_set if hasattr(array, "sharding") else ()) > 1:
+        return jax.device_get(array)  # gathered copy; DLPack cannot export a sharded array
+    return array
+
+
+def named_numpy(params) -> dict[str, np.ndarray]:
+    return {name: np.asarray(_unsharded(a)) for name, a in _flat(params).items()}
+
+
+def named_torch(params) -> dict:
+    import torch
+
+    out = {}
+    for name, a in _flat(params).items():
+        a = _unsharded(a)
+        out[name] = torch.from_dlpack(a) if not isinstance(a, np.ndarray) else torch.from_numpy(a)
+    return out
+
+
+def write_safetensors(named: dict, path) -> None:
+    save_file({k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v)) for k, v in named.items()}, path)
+
+
+class SharedSafetensors:
+    """A fixed-layout safetensors file (in /dev/shm) that each sync overwrites in place."""
+
+    def __init__(self, example: dict, path):
+        arrays = {k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v)) for k, v in example.items()}
+        prefix, spans = layout(arrays)
+        size = max(end for _, end in spans.values())
+        with open(path, "wb") as f:
+            f.write(prefix)
+            f.truncate(size)
+        self.path = str(path)
+        self._map = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+        self._views = {k: self._map[a:b].view(arrays[k].dtype).reshape(arrays[k].shape) for k, (a, b) in spans.items()}
+
+    def write(self, named: dict) -> None:
+        if named.keys() != self._views.keys():
+            raise KeyError(f"{self.path}: tensor names differ from the buffer's layout")
+        for k, v in named.items():
+            np.copyto(self._views[k], v.numpy() if hasattr(v, "numpy") else np.asarray(v))
+        # no msync: /dev/shm pages are the shared memory itself
+
+    def close(self) -> None:
+        del self._views, self._map
