@@ -61,7 +61,8 @@ def default_config() -> ml_collections.ConfigDict:
             setattr(c.rollout, field, value)
     c.rollout.max_num_seqs = 64
     c.rollout.max_model_len = 0  # 0: max_prompt_len + max_response_len
-    c.rollout.vllm_urls = ""  # comma-separated servers to attach to (vllm engine)
+    c.rollout.vllm_urls = ""  # comma-separated servers to attach to (vllm engine); else one is launched
+    c.rollout.vllm_python = ""  # interpreter with vllm installed (its own venv); empty: this one
 
     c.loss = ml_collections.ConfigDict(dict(LossConfig().__dict__))
     c.loss.clip_c = 0.0  # dual-clip constant for negative advantages (e.g. 3.0); 0: off
@@ -146,6 +147,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for key in ("train.total_steps", "checkpoint.every", "checkpoint.keep", "train.num_iterations"):
         if given[key] <= 0:
             raise ConfigError(f"config key {key!r}={given[key]}: must be > 0")
+    batch = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
+    if c.train.micro_batch_size and batch % c.train.micro_batch_size:
+        raise ConfigError(f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "
+                          f"of rollout.rollout_batch_size x rollout.n_samples_per_prompt = {batch} sequences")
     if not c.model.path and not c.model.arch:
         raise ConfigError("config: set model.path (a Hugging Face checkpoint dir) or model.arch")
     if c.data.task == "file" and not c.data.train_path:

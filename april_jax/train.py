@@ -117,7 +117,18 @@ def build_engine(c, model, max_model_len: int, version: int):
 
         return SimEngine(slots=c.rollout.max_num_seqs, seed=c.seed, max_model_len=max_model_len,
                          length_scale=c.rollout.max_response_len / 32768, policy_version=version)
-    raise ConfigError("config key 'rollout.engine'='vllm': the vLLM sidecar engine is not implemented yet")
+    from april_jax.models import qwen3
+    from april_jax.rollout.vllm_engine import VllmEngine
+
+    urls = [u.strip() for u in c.rollout.vllm_urls.split(",") if u.strip()]
+    if urls:
+        return VllmEngine(urls=urls, api_key=os.environ.get("VLLM_API_KEY"), max_num_seqs=c.rollout.max_num_seqs,
+                          max_model_len=max_model_len, policy_version=version)
+    init_dir = Path(c.workdir) / "vllm_init"
+    qwen3.save_pretrained(model, init_dir)  # the server starts from the trainer's current weights
+    return VllmEngine(init_dir, python=c.rollout.vllm_python or None, max_num_seqs=c.rollout.max_num_seqs,
+                      max_model_len=max_model_len, policy_version=version, log_dir=c.workdir,
+                      dtype=c.model.dtype)
 
 
 def evaluate(engine, prompts, reward, c, stop_ids, version: int) -> dict:
@@ -220,7 +231,7 @@ def run(c) -> dict:
                 metrics.update(trainer.step(batch, version))
             t2 = time.perf_counter()
             version += 1
-            engine.update_weights(trainer.nnx_state() if c.rollout.engine == "jax" else None, version)
+            engine.update_weights(trainer.nnx_state() if c.rollout.engine != "sim" else None, version)
             t3 = time.perf_counter()
             metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
                             "reward/failures": reward.failures, "version": version})
@@ -238,6 +249,7 @@ def run(c) -> dict:
             writer.write(step, metrics)
             last = metrics
     finally:
+        engine.shutdown()
         ckpt.close()
         writer.close()
         reward.close()

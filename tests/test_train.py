@@ -128,6 +128,7 @@ def test_configs_parse_and_validate():
     (["--config.train.total_steps=ten"], "config key 'train.total_steps' expects int, got 'ten'"),
     (["--config.rollout.over_sampling_batch_size=2"], "rollout.over_sampling_batch_size=2: must be >= rollout.rollout_batch_size=4"),
     (["--config.rollout.engine=tpu"], "config key 'rollout.engine'='tpu'"),
+    (["--config.train.micro_batch_size=5"], "config key 'train.micro_batch_size'=5 does not divide the batch"),
 ])
 def test_bad_config_is_one_clear_line(tmp_path, extra, message):
     proc = run_train(tmp_path / "w", *extra, check=False)

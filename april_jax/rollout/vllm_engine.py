@@ -1,0 +1,301 @@
+"""vLLM sidecar engine: a real vLLM OpenAI server process generates, the JAX trainer keeps the model.
+
+Same interface as the JAX engine. The engine launches and owns the server (`python -m
+vllm.entrypoints.openai.api_server` on 127.0.0.1, a free port, a random API key, its own process
+group; `python` may be another virtualenv's interpreter, so the trainer's environment stays free of
+torch/vLLM pins) or attaches to running servers by URL (requests are spread across them).
+
+Requests go in as token ids and come back as token ids + per-token logprobs over a streaming
+`/v1/completions` call, one thread per request; `abort` uses the server's `/abort_requests` (dev
+mode) and returns the partial tokens the stream delivered. Logprobs are vLLM's default
+`raw_logprobs` (before temperature): equal to ours at temperature 1.
+
+Weights: `update_weights` writes HF-named tensors into a shared-memory safetensors buffer
+(`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) and asks the worker
+extension (`vllm_ext.WeightUpdateExt`) to reload from it, then resets the prefix cache. That works
+when trainer and server share a host; across hosts, pass `shared_dir` on a shared filesystem.
+Sleep mode / torch_memory_saver are GPU features; on CPU they are skipped (logged once).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+from april_jax.rollout.types import PollingEngine, Request, Result
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """One vLLM OpenAI server process we own."""
+
+    def __init__(self, model_path, *, python: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
+                 dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
+                 log_dir=None, seed: int = 0):
+        self.port = _free_port()
+        self.api_key = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="vllm_")) / f"vllm_{self.port}.log"
+        cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+               "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(self.port),
+               "--api-key", self.api_key, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+               "--dtype", dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes),
+               "--seed", str(seed), "--worker-extension-cls", "april_jax.rollout.vllm_ext.WeightUpdateExt"]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",
+                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.pop("XLA_FLAGS", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
+            if healthy(self.url):
+                return
+            time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(f"vLLM server not healthy after {timeout:.0f}s; log tail:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=15)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        self._log.close()
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class VllmEngine(PollingEngine):
+    def __init__(self, model_path=None, *, urls: list[str] | None = None, api_key: str | None = None,
+                 max_num_seqs: int = 64, max_model_len: int = 4096, policy_version: int = 0, shared_dir=None,
+                 **server_kw):
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.policy_version = policy_version
+        self.servers: list[VllmServer] = []
+        if urls:
+            self.urls, self.api_key = list(urls), api_key
+        else:
+            if model_path is None:
+                raise ValueError("VllmEngine: give model_path (to launch a server) or urls (to attach)")
+            server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **server_kw)
+            self.servers.append(server)
+            self.urls, self.api_key = [server.url], server.api_key
+        self._shared_dir = shared_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self._buffer = None
+        self._done: queue.Queue[Result] = queue.Queue()
+        self._live: dict[str, dict] = {}  # request id -> stream state
+        self._lock = threading.Lock()
+        self._next_server = 0
+        self._stats = collections.Counter()
+        self._t0 = time.perf_counter()
+        self._said_no_sleep = False
+
+    # ---- HTTP ----
+    def _post(self, url: str, path: str, body: dict, timeout: float = 60.0) -> dict:
+        req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip() else {}
+
+    # ---- interface ----
+    def submit(self, requests: Iterable[Request]) -> None:
+        for r in requests:
+            problem = r.validate(self.max_model_len)
+            if problem:
+                self._done.put(Result(r.request_id, [], [], [], "error", problem))
+                self._stats["errors"] += 1
+                continue
+            url = self.urls[self._next_server % len(self.urls)]
+            self._next_server += 1
+            state = {"request": r, "url": url, "engine_id": uuid.uuid4().hex, "tokens": [], "logprobs": [],
+                     "versions": [], "finish": None}
+            with self._lock:
+                self._live[r.request_id] = state
+            state["thread"] = threading.Thread(target=self._stream, args=(state,), daemon=True)
+            state["thread"].start()
+
+    def _stream(self, state: dict) -> None:
+        r = state["request"]
+        s = r.sampling
+        max_tokens = min(r.max_new_tokens, self.max_model_len - len(r.prompt_ids))  # as the JAX engine: length
+        body = {"model": "policy", "prompt": list(r.prompt_ids), "max_tokens": max_tokens,
+                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1,
+                "stop_token_ids": list(r.stop_token_ids), "logprobs": 0, "return_token_ids": True, "stream": True,
+                "request_id": state["engine_id"], "skip_special_tokens": False,
+                "ignore_eos": True}  # stop only on the request's stop ids, as every engine here
+        if s.seed is not None:
+            body["seed"] = s.seed
+        req = urllib.request.Request(f"{state['url']}/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
+        reason = None
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    for choice in chunk.get("choices", []):
+                        ids = choice.get("token_ids") or []
+                        lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                        with self._lock:
+                            state["tokens"] += ids
+                            state["logprobs"] += [float(x) if x is not None else 0.0 for x in lps[: len(ids)]]
+                            state["versions"] += [self.policy_version] * len(ids)
+                        if choice.get("finish_reason"):
+                            reason = choice["finish_reason"]
+        except urllib.error.HTTPError as e:  # the server refused the request: an error for it alone
+            reason = "error"
+            state["error"] = f"request {r.request_id!r}: vLLM HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
+        except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:  # connection lost mid-stream
+            reason = reason or "abort"
+            state["error"] = str(e)
+        reason = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(reason, "abort")
+        with self._lock:
+            self._live.pop(r.request_id, None)
+            if state.get("aborting"):
+                return  # abort() hands this one back
+            self._stats["tokens_generated"] += len(state["tokens"])
+        self._done.put(Result(r.request_id, list(state["tokens"]), list(state["logprobs"]), list(state["versions"]),
+                              reason, state.get("error") if reason == "error" else None))
+
+    def step(self, timeout: float = 0.05) -> list[Result]:
+        out = []
+        try:
+            out.append(self._done.get(timeout=timeout))
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def abort(self, request_ids: Iterable[str]) -> list[Result]:
+        """Server-side abort; returns what each stream had delivered."""
+        ids = set(request_ids)
+        with self._lock:
+            states = [st for rid, st in self._live.items() if rid in ids]
+            for st in states:
+                st["aborting"] = True
+        by_url = collections.defaultdict(list)
+        for st in states:
+            by_url[st["url"]].append(f"cmpl-{st['engine_id']}-0")
+        for url, engine_ids in by_url.items():
+            try:
+                self._post(url, "/abort_requests", {"request_ids": engine_ids})
+            except (urllib.error.URLError, OSError) as e:
+                log.warning("abort on %s failed (%s); streams will be dropped", url, e)
+        results = []
+        for st in states:
+            st["thread"].join(timeout=10)
+            with self._lock:
+                self._live.pop(st["request"].request_id, None)
+                results.append(Result(st["request"].request_id, list(st["tokens"]), list(st["logprobs"]),
+                                      list(st["versions"]), "abort"))
+                self._stats["tokens_generated"] += len(st["tokens"])
+        # streams that finished on their own while we aborted are in the done queue: hand them back too
+        leftover = [r for r in self.step(timeout=0) if r.request_id in ids]
+        self._stats["aborted"] += len(results)
+        return results + leftover
+
+    def abort_all(self) -> list[Result]:
+        with self._lock:
+            ids = list(self._live)
+        return self.abort(ids)
+
+    def update_weights(self, params, version: int) -> None:
+        if params is not None:
+            from april_jax import weights
+
+            named = weights.named_torch(params)
+            if self._buffer is None:
+                path = Path(self._shared_dir) / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
+                self._buffer = weights.SharedSafetensors(named, path)
+            self._buffer.write(named)
+            for url in self.urls:
+                self._post(url, "/collective_rpc", {"method": "april_update_from_file", "args": [self._buffer.path]})
+                self._post(url, "/reset_prefix_cache", {})
+        self.policy_version = int(version)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live) or not self._done.empty()
+
+    def stats(self) -> dict:
+        with self._lock:
+            busy = len(self._live)
+        s = self._stats
+        return {"slots": self.max_num_seqs, "busy_slots": busy, "queued": 0, "tokens_generated": s["tokens_generated"],
+                "prefill_tokens": 0, "decode_steps": 0, "busy_slot_steps": 0, "occupancy": 0.0,
+                "aborted": s["aborted"], "errors": s["errors"], "time_s": self.now(), "policy_version": self.policy_version}
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def sleep(self) -> None:
+        if not self._said_no_sleep:
+            log.info("vLLM sleep/wake and torch_memory_saver are GPU features; skipped on this host")
+            self._said_no_sleep = True
+
+    def shutdown(self) -> None:
+        self.abort_all()
+        for server in self.servers:
+            server.kill()
+        if self._buffer is not None:
+            path = self._buffer.path
+            self._buffer.close()
+            Path(path).unlink(missing_ok=True)

@@ -1,0 +1,16 @@
+"""vLLM worker extension (`--worker-extension-cls april_jax.rollout.vllm_ext.WeightUpdateExt`).
+
+Runs inside the vLLM worker process, so it imports only torch and safetensors. It loads named
+tensors with the model runner's reload path: plain `model.load_weights` fails on vLLM's CPU
+backend (linear weights are prepacked) and leaves a half-updated model.
+"""
+
+
+class WeightUpdateExt:
+    def april_update_from_file(self, path: str) -> int:
+        """Load every tensor of the safetensors file at `path` (e.g. a /dev/shm buffer)."""
+        import safetensors.torch
+
+        named = list(safetensors.torch.load_file(path).items())
+        self.model_runner.reload_weights(weights_iterator=iter(named))
+        return len(named)
