@@ -1,6 +1,7 @@
 """Decode tokens/s of the embedded JAX engine vs transformers `generate` on the same weights.
 
     python benchmarks/engine.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 32]
+                                [--vllm-python ../.venv-vllm/bin/python]
 
 Both generate greedily, exactly `new_tokens` per request, from the same random ~40M-parameter
 checkpoint (fp32). The engine runs with `max_num_seqs = batch`; its figure includes the prefills,
@@ -48,18 +49,36 @@ def hf_tokens_per_s(ref, prompts, new_tokens):
     return len(prompts) * new_tokens / elapsed, out[:, ids.shape[1]:].numpy()
 
 
+def vllm_tokens_per_s(path, python, prompts, new_tokens, max_len):
+    from april_jax.rollout.vllm_engine import VllmEngine
+
+    engine = VllmEngine(path, python=python, max_num_seqs=len(prompts), max_model_len=max_len)
+    try:
+        greedy = SamplingParams(temperature=0.0)
+        requests = lambda tag: [Request(f"{tag}{i}", p, new_tokens, greedy) for i, p in enumerate(prompts)]
+        engine.generate(requests("warm"))
+        t = time.perf_counter()
+        out = engine.generate(requests("run"))
+        elapsed = time.perf_counter() - t
+        return sum(len(r.token_ids) for r in out.values()) / elapsed, out
+    finally:
+        engine.shutdown()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--vllm-python", default=None, help="interpreter with vllm: also measure a vLLM server")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        qwen3.save_pretrained(qwen3.init_model(CONFIG_40M, seed=0), tmp)
-        model = qwen3.from_pretrained(tmp)
-        ref = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    tmp_dir = tempfile.TemporaryDirectory()
+    tmp = tmp_dir.name
+    qwen3.save_pretrained(qwen3.init_model(CONFIG_40M, seed=0), tmp)
+    model = qwen3.from_pretrained(tmp)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     rng = np.random.RandomState(0)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = {b: rng.randint(1, CONFIG_40M.vocab_size, size=(b, args.prompt_len)).tolist() for b in batches}
@@ -67,12 +86,23 @@ def main():
     # while after each call and would steal the 2 cores from XLA if interleaved.
     ours = {b: engine_tokens_per_s(model, prompts[b], args.new_tokens, args.prompt_len + args.new_tokens + 16)
             for b in batches}
+    vllm = {}
+    if args.vllm_python:  # before torch runs here: its OpenMP threads would spin on our cores
+        vllm = {b: vllm_tokens_per_s(tmp, args.vllm_python, prompts[b], args.new_tokens,
+                                     args.prompt_len + args.new_tokens + 16) for b in batches}
     for b in batches:
         theirs, hf_out = hf_tokens_per_s(ref, prompts[b], args.new_tokens)
         rate, out = ours[b]
         same = float(np.mean([out[f"run{i}"].token_ids == hf_out[i].tolist() for i in range(b)]))
-        rows.append({"batch": b, "jax_engine_tokens_per_s": round(rate, 1), "hf_generate_tokens_per_s": round(theirs, 1),
-                     "ratio": round(rate / theirs, 2), "greedy_identical_frac": same})
+        row = {"batch": b, "jax_engine_tokens_per_s": round(rate, 1), "hf_generate_tokens_per_s": round(theirs, 1),
+               "ratio": round(rate / theirs, 2), "greedy_identical_frac": same}
+        if b in vllm:
+            v_rate, v_out = vllm[b]
+            row["vllm_tokens_per_s"] = round(v_rate, 1)
+            row["jax_over_vllm"] = round(rate / v_rate, 2)
+            row["vllm_greedy_identical_frac"] = float(np.mean([v_out[f"run{i}"].token_ids == out[f"run{i}"].token_ids
+                                                               for i in range(b)]))
+        rows.append(row)
     print(json.dumps({"benchmark": "engine", "params_m": round(CONFIG_40M.num_params / 1e6, 1),
                       "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "torch_threads": torch.get_num_threads(),
                       "results": rows}))

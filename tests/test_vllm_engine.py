@@ -119,3 +119,25 @@ def test_train_cli_two_steps_on_vllm(tmp_path):
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["version"] == 2
     out = subprocess.run(["pgrep", "-f", f"--model {tmp_path / 'w'}"], capture_output=True, text=True)
     assert out.stdout.strip() == "", "the vLLM server outlived the training run"
+
+
+def test_server_killed_mid_rollout_recovers_and_completes(tiny, engine, prompts):
+    import signal
+
+    _, model = tiny
+    n = 480  # long enough to still be running when the server dies
+    full = JaxEngine(model, max_num_seqs=4, max_model_len=512).generate(
+        [Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
+    engine.submit([Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
+    while sum(len(st["tokens"]) for st in list(engine._live.values())) < 30:  # mid-rollout, tokens flowing
+        time.sleep(0.01)
+    old_pid = engine.servers[0].proc.pid
+    os.killpg(old_pid, signal.SIGKILL)
+    t = time.time()
+    got = {r.request_id: r for r in engine.run()}
+    assert engine.servers[0].proc.pid != old_pid and engine.stats()["restarts"] == 1
+    assert engine.stats()["resumed_after_failure"] >= 1
+    for i in range(3):
+        assert got[str(i)].token_ids == full[str(i)].token_ids, i
+        assert got[str(i)].finish_reason == "length"
+    assert time.time() - t < 300

@@ -10,6 +10,10 @@ Requests go in as token ids and come back as token ids + per-token logprobs over
 mode) and returns the partial tokens the stream delivered. Logprobs are vLLM's default
 `raw_logprobs` (before temperature): equal to ours at temperature 1.
 
+Failure: a stream cut by a dead server is parked; the next `step()` restarts the servers we own
+(or waits for attached ones), re-syncs the latest weights from the shared buffer, and resumes every
+parked request from its partial tokens (prompt + generated ids, the remaining budget).
+
 Weights: `update_weights` writes HF-named tensors into a shared-memory safetensors buffer
 (`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) and asks the worker
 extension (`vllm_ext.WeightUpdateExt`) to reload from it, then resets the prefix cache. That works
@@ -56,6 +60,9 @@ class VllmServer:
     def __init__(self, model_path, *, python: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
                  dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
                  log_dir=None, seed: int = 0):
+        self.args = dict(model_path=model_path, python=python, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         dtype=dtype, kv_cache_bytes=kv_cache_bytes, startup_timeout=startup_timeout,
+                         log_dir=log_dir, seed=seed)
         self.port = _free_port()
         self.api_key = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -133,6 +140,7 @@ class VllmEngine(PollingEngine):
         self._buffer = None
         self._done: queue.Queue[Result] = queue.Queue()
         self._live: dict[str, dict] = {}  # request id -> stream state
+        self._lost: list[dict] = []  # streams cut by a dead server, to resume
         self._lock = threading.Lock()
         self._next_server = 0
         self._stats = collections.Counter()
@@ -158,18 +166,23 @@ class VllmEngine(PollingEngine):
                 continue
             url = self.urls[self._next_server % len(self.urls)]
             self._next_server += 1
-            state = {"request": r, "url": url, "engine_id": uuid.uuid4().hex, "tokens": [], "logprobs": [],
-                     "versions": [], "finish": None}
+            state = {"request": r, "url": url, "engine_id": None, "tokens": [], "logprobs": [], "versions": []}
             with self._lock:
                 self._live[r.request_id] = state
-            state["thread"] = threading.Thread(target=self._stream, args=(state,), daemon=True)
-            state["thread"].start()
+            self._launch(state)
+
+    def _launch(self, state: dict) -> None:
+        state["thread"] = threading.Thread(target=self._stream, args=(state,), daemon=True)
+        state["thread"].start()
 
     def _stream(self, state: dict) -> None:
         r = state["request"]
         s = r.sampling
-        max_tokens = min(r.max_new_tokens, self.max_model_len - len(r.prompt_ids))  # as the JAX engine: length
-        body = {"model": "policy", "prompt": list(r.prompt_ids), "max_tokens": max_tokens,
+        prompt = list(r.prompt_ids) + state["tokens"]  # after a server restart: resume from the partial
+        # as the JAX engine: a request ends with "length" at max_new_tokens or at max_model_len
+        max_tokens = min(r.max_new_tokens - len(state["tokens"]), self.max_model_len - len(prompt))
+        state["engine_id"] = uuid.uuid4().hex
+        body = {"model": "policy", "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1,
                 "stop_token_ids": list(r.stop_token_ids), "logprobs": 0, "return_token_ids": True, "stream": True,
                 "request_id": state["engine_id"], "skip_special_tokens": False,
@@ -203,8 +216,17 @@ class VllmEngine(PollingEngine):
             reason = "error"
             state["error"] = f"request {r.request_id!r}: vLLM HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
         except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:  # connection lost mid-stream
+            if not state.get("aborting") and reason is None:
+                log.warning("request %s lost its server (%s); it resumes after recovery", r.request_id, e)
+                with self._lock:
+                    self._lost.append(state)
+                return
             reason = reason or "abort"
-            state["error"] = str(e)
+        if reason is None and not state.get("aborting"):  # the stream just ended: the server went away
+            log.warning("request %s: stream ended without a finish reason; it resumes after recovery", r.request_id)
+            with self._lock:
+                self._lost.append(state)
+            return
         reason = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(reason, "abort")
         with self._lock:
             self._live.pop(r.request_id, None)
@@ -214,7 +236,38 @@ class VllmEngine(PollingEngine):
         self._done.put(Result(r.request_id, list(state["tokens"]), list(state["logprobs"]), list(state["versions"]),
                               reason, state.get("error") if reason == "error" else None))
 
+    def _recover(self) -> None:
+        """Restart dead servers we own, re-sync the latest weights, resume lost requests."""
+        for i, server in enumerate(self.servers):
+            if server.alive() and healthy(server.url):
+                continue
+            log.warning("vLLM server %s is down; restarting (log tail: %s)", server.url, server.log_tail(5))
+            server.kill()
+            fresh = VllmServer(**server.args)
+            self.servers[i] = fresh
+            self.urls = [fresh.url if u == server.url else u for u in self.urls]
+            self.api_key = fresh.api_key
+            if self._buffer is not None:
+                self._post(fresh.url, "/collective_rpc", {"method": "april_update_from_file", "args": [self._buffer.path]})
+                self._post(fresh.url, "/reset_prefix_cache", {})
+            self._stats["restarts"] += 1
+            for st in list(self._live.values()):
+                if st["url"] == server.url:
+                    st["url"] = fresh.url
+        deadline = time.time() + 240
+        while not all(healthy(u) for u in self.urls):  # attached servers: wait for them to come back
+            if time.time() > deadline:
+                raise RuntimeError(f"vLLM servers {self.urls} did not come back within 240s")
+            time.sleep(1.0)
+        with self._lock:
+            lost, self._lost = self._lost, []
+        for st in lost:
+            self._stats["resumed_after_failure"] += 1
+            self._launch(st)
+
     def step(self, timeout: float = 0.05) -> list[Result]:
+        if self._lost:
+            self._recover()
         out = []
         try:
             out.append(self._done.get(timeout=timeout))
@@ -281,7 +334,9 @@ class VllmEngine(PollingEngine):
         s = self._stats
         return {"slots": self.max_num_seqs, "busy_slots": busy, "queued": 0, "tokens_generated": s["tokens_generated"],
                 "prefill_tokens": 0, "decode_steps": 0, "busy_slot_steps": 0, "occupancy": 0.0,
-                "aborted": s["aborted"], "errors": s["errors"], "time_s": self.now(), "policy_version": self.policy_version}
+                "aborted": s["aborted"], "errors": s["errors"], "restarts": s["restarts"],
+                "resumed_after_failure": s["resumed_after_failure"], "time_s": self.now(),
+                "policy_version": self.policy_version}
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
