@@ -25,8 +25,8 @@ from april_jax.rollout.types import Request, SamplingParams
 from common import CONFIG_40M
 
 
-def engine_tokens_per_s(model, prompts, new_tokens, max_len):
-    engine = JaxEngine(model, max_num_seqs=len(prompts), max_model_len=max_len)
+def timed_generate(engine, prompts, new_tokens):
+    """(tokens/s, results) of one greedy batch, after a warm-up batch that compiles / warms caches."""
     greedy = SamplingParams(temperature=0.0)
     requests = lambda tag: [Request(f"{tag}{i}", p, new_tokens, greedy) for i, p in enumerate(prompts)]
     engine.generate(requests("warm"))
@@ -34,6 +34,10 @@ def engine_tokens_per_s(model, prompts, new_tokens, max_len):
     out = engine.generate(requests("run"))
     elapsed = time.perf_counter() - t
     return sum(len(r.token_ids) for r in out.values()) / elapsed, out
+
+
+def engine_tokens_per_s(model, prompts, new_tokens, max_len):
+    return timed_generate(JaxEngine(model, max_num_seqs=len(prompts), max_model_len=max_len), prompts, new_tokens)
 
 
 def hf_tokens_per_s(ref, prompts, new_tokens):
@@ -54,13 +58,7 @@ def vllm_tokens_per_s(path, python, prompts, new_tokens, max_len):
 
     engine = VllmEngine(path, python=python, max_num_seqs=len(prompts), max_model_len=max_len)
     try:
-        greedy = SamplingParams(temperature=0.0)
-        requests = lambda tag: [Request(f"{tag}{i}", p, new_tokens, greedy) for i, p in enumerate(prompts)]
-        engine.generate(requests("warm"))
-        t = time.perf_counter()
-        out = engine.generate(requests("run"))
-        elapsed = time.perf_counter() - t
-        return sum(len(r.token_ids) for r in out.values()) / elapsed, out
+        return timed_generate(engine, prompts, new_tokens)
     finally:
         engine.shutdown()
 
