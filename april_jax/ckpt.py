@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from april_jax.checkpointing import CheckpointError, read_meta, resolve_step_dir
@@ -31,7 +32,7 @@ def describe(path) -> dict:
     return {
         "path": str(step_dir), "step": meta["step"], "policy_version": meta["version"],
         "data_position": meta["data"], "skipped_steps": meta["skipped_steps"],
-        "num_params": int(sum(int(__import__("math").prod(p["shape"])) for p in params)),
+        "num_params": sum(math.prod(p["shape"]) for p in params),
         "params": params,
         "buffer": {"groups": len(buffer),
                    "complete_groups": sum(all(s["status"] in ("completed", "truncated") for s in g["samples"]) for g in buffer),

@@ -151,6 +151,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if c.train.micro_batch_size and batch % c.train.micro_batch_size:
         raise ConfigError(f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "
                           f"of rollout.rollout_batch_size x rollout.n_samples_per_prompt = {batch} sequences")
+    if c.warmup.steps and c.data.task != "reverse":
+        raise ConfigError("config key 'warmup.steps' > 0 needs data.task='reverse' (the task with supervised examples)")
     if not c.model.path and not c.model.arch:
         raise ConfigError("config: set model.path (a Hugging Face checkpoint dir) or model.arch")
     if c.data.task == "file" and not c.data.train_path:

@@ -173,12 +173,20 @@ def run(c) -> dict:
     mesh = sharding.make_mesh(c.mesh.to_dict())
 
     train_prompts, eval_prompts, stop_ids, reward, vocab, _ = build_task(c, c.model.path or None)
-    model = build_model(c, mesh if jax.device_count() > 1 else None, vocab)
+    mesh = mesh if jax.device_count() > 1 else None
+    model = build_model(c, mesh, vocab)
     max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
-    loss_cfg = config_lib.loss_cfg(c)
-    trainer = Trainer(model, loss_cfg, config_lib.optimizer_cfg(c), mesh=mesh if jax.device_count() > 1 else None,
-                      micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0)
     ckpt = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep)
+    latest = ckpt.latest_step()
+    if latest is None and c.warmup.steps:  # fresh run: supervised warm-up before RL
+        from april_jax.data import reverse
+        from april_jax.rl import sft
+
+        losses = sft.warmup(model, reverse.sft_examples(c.seed, 20_000), steps=c.warmup.steps, lr=c.warmup.lr,
+                            batch_size=c.warmup.batch_size, seed=c.seed)
+        print(f"supervised warm-up: {c.warmup.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=sys.stderr)
+    trainer = Trainer(model, config_lib.loss_cfg(c), config_lib.optimizer_cfg(c), mesh=mesh,
+                      micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0)
 
     def score(sample, prompt):
         r = reward.score(sample.response_ids, prompt.answer)
@@ -189,7 +197,6 @@ def run(c) -> dict:
 
     april = April(config_lib.rollout_cfg(c, stop_ids), train_prompts, score)
     start, version = 0, 0
-    latest = ckpt.latest_step()
     if latest is not None:
         params, opt_state, meta = ckpt.restore(latest, trainer.params, trainer.opt_state,
                                                trainer.param_shardings, trainer.opt_shardings)
@@ -200,18 +207,6 @@ def run(c) -> dict:
         april.load_state_dict(meta["april"])
         print(f"resumed from {ckpt.directory / str(latest)} (step {start}, version {version}, "
               f"{len(april.buffer)} buffered groups)", file=sys.stderr)
-    elif c.warmup.steps:
-        from april_jax.rl import sft
-
-        if c.data.task != "reverse":
-            raise ConfigError("config key 'warmup.steps' > 0 needs data.task='reverse' (supervised examples)")
-        from april_jax.data import reverse
-
-        losses = sft.warmup(model, reverse.sft_examples(c.seed, 20_000), steps=c.warmup.steps, lr=c.warmup.lr,
-                            batch_size=c.warmup.batch_size, seed=c.seed)
-        trainer = Trainer(model, loss_cfg, config_lib.optimizer_cfg(c), mesh=trainer.mesh,
-                          micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0)
-        print(f"supervised warm-up: {c.warmup.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=sys.stderr)
     for name in ("metrics.jsonl", "delivered.jsonl"):
         _truncate_log(workdir / name, start)
 

@@ -26,10 +26,12 @@ def _flat(params) -> dict:
 
 
 def _unsharded(array):
+    """The array itself if it lives on one device, else a gathered host copy (DLPack cannot
+    export a sharded array)."""
     import jax
 
-    if len(getattr(array, "sharding", None).device_set if hasattr(array, "sharding") else ()) > 1:
-        return jax.device_get(array)  # gathered copy; DLPack cannot export a sharded array
+    if isinstance(array, jax.Array) and len(array.sharding.device_set) > 1:
+        return jax.device_get(array)
     return array
 
 

@@ -128,10 +128,8 @@ class JaxEngine(PollingEngine):
     def submit(self, requests: Iterable[Request]) -> None:
         """Queue requests. A bad one finishes at once with finish_reason 'error' and a reason."""
         for request in requests:
-            problem = request.validate(self.max_model_len)
-            if problem is not None:
-                self._ready.append(Result(request.request_id, [], [], [], "error", problem))
-                self._stats["errors"] += 1
+            if (bad := self._rejected(request)) is not None:
+                self._ready.append(bad)
                 continue
             seed = request.sampling.seed
             self._queue.append((request, int(self._seeds.integers(2**31)) if seed is None else int(seed)))
@@ -147,7 +145,7 @@ class JaxEngine(PollingEngine):
         busy = [i for i, s in enumerate(self._slots) if s is not None]
         if busy:
             self._decode_step(busy, finished)
-        self._stats["time_s_x1e6"] += int((time.perf_counter() - t) * 1e6)
+        self._stats["time_s"] += time.perf_counter() - t
         return finished
 
     def abort(self, request_ids: Iterable[str]) -> list[Result]:
@@ -217,7 +215,7 @@ class JaxEngine(PollingEngine):
             "occupancy": s["busy_slot_steps"] / (steps * self.max_num_seqs),
             "aborted": s["aborted"],
             "errors": s["errors"],
-            "time_s": s["time_s_x1e6"] / 1e6,
+            "time_s": s["time_s"],
             "policy_version": self.policy_version,
         }
 

@@ -79,10 +79,8 @@ class SimEngine(PollingEngine):
 
     def submit(self, requests: Iterable[Request]) -> None:
         for r in requests:
-            problem = r.validate(self.max_model_len)
-            if problem:
-                self._ready.append(Result(r.request_id, [], [], [], "error", problem))
-                self._stats["errors"] += 1
+            if (bad := self._rejected(r)) is not None:
+                self._ready.append(bad)
             else:
                 self._queue.append(r)
 

@@ -126,7 +126,16 @@ class Group:
 
 
 class PollingEngine:
-    """`run` / `generate` for engines that expose `submit`, `step` and `has_unfinished`."""
+    """`run` / `generate` for engines that expose `submit`, `step` and `has_unfinished`, and the
+    shared check of incoming requests (`max_model_len`, a `_stats` Counter)."""
+
+    def _rejected(self, request: Request) -> Result | None:
+        """An 'error' result naming the problem when `request` cannot run (counted), else None."""
+        problem = request.validate(self.max_model_len)
+        if problem is None:
+            return None
+        self._stats["errors"] += 1
+        return Result(request.request_id, [], [], [], "error", problem)
 
     def run(self):
         while self.has_unfinished():

@@ -159,10 +159,8 @@ class VllmEngine(PollingEngine):
     # ---- interface ----
     def submit(self, requests: Iterable[Request]) -> None:
         for r in requests:
-            problem = r.validate(self.max_model_len)
-            if problem:
-                self._done.put(Result(r.request_id, [], [], [], "error", problem))
-                self._stats["errors"] += 1
+            if (bad := self._rejected(r)) is not None:
+                self._done.put(bad)
                 continue
             url = self.urls[self._next_server % len(self.urls)]
             self._next_server += 1
