@@ -122,10 +122,10 @@ def test_stop_tokens_and_budgets_end_requests(tiny, prompts, greedy_outputs):
 def test_abort_returns_exact_partial_and_resume_completes(tiny, prompts, greedy_outputs):
     _, model = tiny
     out, _ = greedy_outputs
-    engine = engine_for(model)
+    engine = engine_for(model, decode_steps_per_call=2)
     engine.submit([Request(str(i), prompts[i], 32, GREEDY) for i in range(8)])
     done = {}
-    for _ in range(12):
+    for _ in range(6):
         done.update({r.request_id: r for r in engine.step()})
     partial = {r.request_id: r for r in engine.abort_all()}
     assert not engine.has_unfinished()
@@ -163,7 +163,7 @@ def test_bad_requests_fail_alone(tiny, prompts):
 def test_update_weights_versions_tokens_and_changes_output(tiny, prompts, greedy_outputs):
     _, model = tiny
     out, _ = greedy_outputs
-    engine = engine_for(model)
+    engine = engine_for(model, decode_steps_per_call=1)
     engine.submit([Request("a", prompts[5], 32, GREEDY)])
     for _ in range(5):
         engine.step()
@@ -187,3 +187,24 @@ def test_batched_refill_gives_the_same_tokens(tiny, prompts, greedy_outputs):
     got = engine.generate([Request(str(i), p, 32, GREEDY) for i, p in enumerate(prompts)])
     assert all(got[str(i)].token_ids == out[str(i)].token_ids for i in range(len(prompts)))
     assert engine.stats()["prefill_tokens"] == sum(map(len, prompts))
+
+
+def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    stop = out["4"].token_ids[10]
+    requests = [Request(f"g{i}", p, 32, GREEDY, stop_token_ids=(stop,)) for i, p in enumerate(prompts)]
+    requests += [Request(f"s{i}", p, 3 + 5 * i, SamplingParams(1.0, top_p=0.9, seed=i), stop_token_ids=(7, 9, 11))
+                 for i, p in enumerate(prompts[:6])]
+    requests.append(Request("ctx", list(range(1, 91)), 32, GREEDY))  # ends at max_model_len mid-call
+    single = engine_for(model, decode_steps_per_call=1).generate(requests)
+    multi_engine = engine_for(model, decode_steps_per_call=8)
+    multi = multi_engine.generate(requests)
+    assert any(r.finish_reason == "stop" for r in single.values())
+    for rid, r in single.items():
+        m = multi[rid]
+        assert (m.token_ids, m.finish_reason) == (r.token_ids, r.finish_reason), rid
+        np.testing.assert_allclose(m.logprobs, r.logprobs, atol=1e-5)
+    stats = multi_engine.stats()
+    assert stats["tokens_generated"] == sum(len(r.token_ids) for r in single.values())
+    assert stats["decode_calls"] * 3 < stats["decode_steps"]

@@ -10,8 +10,9 @@ Usage (the interface every engine implements):
     partial = engine.abort(["a"])         # or engine.abort_all(): tokens generated so far
     engine.update_weights(params, version=3)
 
-Results are polled: `step()` runs one engine iteration (refill free slots, one decode step for
-every busy slot) and returns the requests that finished in it; `run()` iterates results until
+Results are polled: `step()` runs one engine iteration (refill free slots, then
+`decode_steps_per_call` decode steps for every busy slot in one jitted call; rows stop on device
+at their stop token or length limit) and returns the requests that finished in it; `run()` iterates results until
 the engine is idle.
 
 KV cache: contiguous, one row of `max_model_len` positions per slot. Why not paged: JAX wants
@@ -22,8 +23,8 @@ The price is memory reserved for `max_model_len` per slot; for long contexts at 
 use the vLLM engine, whose paged cache is the point of it.
 
 Prefill is per request, padded to a bucket length (powers of two up to `max_model_len`), so at
-most log2(max_model_len) prefill programs compile; decode is one jitted call for the whole batch
-with the cache donated. Weights swapped by `update_weights` apply from the next token on; the KV
+most log2(max_model_len) prefill programs compile; decode is one jitted call (a `lax.scan` of
+steps) for the whole batch with the cache donated. Weights swapped by `update_weights` apply from the next token on; the KV
 cache of in-flight requests is kept (as vLLM does), and every token records the version that
 sampled it.
 """
@@ -64,31 +65,41 @@ def _prefill(graphdef, state, cache: KVCache, slots_N, tokens_NT, lengths_N, tem
     """Prefill N new requests at once into their slots; padding rows carry slot index = #slots and are dropped."""
     model = nnx.merge(graphdef, state)
     N, T = tokens_NT.shape
-    fresh = KVCache.zeros(model.cfg, N, T, cache.k[0].dtype)
+    fresh = KVCache.zeros(model.cfg, N, T, cache.v[0].dtype)
     logits_NTV, fresh = model.forward(tokens_NT, cache=fresh, num_new_B=lengths_N)
     last_NV = jnp.take_along_axis(logits_NTV, (lengths_N - 1)[:, None, None], axis=1)[:, 0]
     keys = sampling.request_keys(seeds_N, jnp.zeros((N,), jnp.int32))
     tokens_N, logprobs_N = sampling.sample(last_NV, keys, temperature_N, top_p_N, top_k_N, mode=mode)
-    put = lambda big, rows: big.at[slots_N, :T].set(rows, mode="drop")
-    new_cache = KVCache(tuple(map(put, cache.k, fresh.k)), tuple(map(put, cache.v, fresh.v)),
-                        cache.lengths_B.at[slots_N].set(lengths_N, mode="drop"))
-    return new_cache, tokens_N, logprobs_N
+    return cache.put_rows(slots_N, fresh), tokens_N, logprobs_N
 
 
 def _decode(graphdef, state, cache: KVCache, tokens_B, active_B, temperature_B, top_p_B, top_k_B, seeds_B, steps_B,
-            *, mode):
+            limits_B, stop_ids_BP, *, mode, num_steps):
+    """`num_steps` decode steps in one call. A row stops (and its cache stops growing) after a stop
+    token or when its token count reaches `limits_B`, the same rules the host applies; the outputs
+    are [num_steps, B] tokens, logprobs and whether the row was active at that step."""
     model = nnx.merge(graphdef, state)
-    logits_B1V, cache = model.forward(tokens_B[:, None], cache=cache, num_new_B=active_B.astype(jnp.int32))
-    keys = sampling.request_keys(seeds_B, steps_B)
-    tokens, logprobs = sampling.sample(logits_B1V[:, 0], keys, temperature_B, top_p_B, top_k_B, mode=mode)
-    return cache, tokens, logprobs
+
+    def one_step(carry, _):
+        cache, tokens_B, active_B, steps_B = carry
+        logits_B1V, cache = model.forward(tokens_B[:, None], cache=cache, num_new_B=active_B.astype(jnp.int32))
+        keys = sampling.request_keys(seeds_B, steps_B)
+        new_B, logprobs_B = sampling.sample(logits_B1V[:, 0], keys, temperature_B, top_p_B, top_k_B, mode=mode)
+        steps_B = steps_B + active_B.astype(jnp.int32)
+        done_B = jnp.any(new_B[:, None] == stop_ids_BP, axis=-1) | (steps_B >= limits_B)
+        carry = (cache, jnp.where(active_B, new_B, tokens_B), active_B & ~done_B, steps_B)
+        return carry, (new_B, logprobs_B, active_B)
+
+    (cache, *_), (tokens_KB, logprobs_KB, active_KB) = jax.lax.scan(
+        one_step, (cache, tokens_B, active_B, steps_B), None, length=num_steps)
+    return cache, tokens_KB, logprobs_KB, active_KB
 
 
 @functools.lru_cache(maxsize=16)
 def compiled_steps(graphdef):
     """(prefill, decode) jitted with `graphdef` closed over: hashing a graphdef per call costs ms."""
-    jit = lambda f: jax.jit(partial(f, graphdef), static_argnames=("mode",), donate_argnames=("cache",))
-    return jit(_prefill), jit(_decode)
+    jit = lambda f, static: jax.jit(partial(f, graphdef), static_argnames=static, donate_argnames=("cache",))
+    return jit(_prefill, ("mode",)), jit(_decode, ("mode", "num_steps"))
 
 
 def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -101,9 +112,10 @@ def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
 
 class JaxEngine(PollingEngine):
     def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
-                 policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1):
-        if max_num_seqs <= 0 or max_model_len <= 1:
-            raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len} must be positive")
+                 policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8):
+        if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
+            raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
+                             f"decode_steps_per_call={decode_steps_per_call} must be positive")
         self.graphdef, self._state = nnx.split(model)
         self._prefill, self._decode = compiled_steps(self.graphdef)
         self.cfg = model.cfg
@@ -111,6 +123,9 @@ class JaxEngine(PollingEngine):
         # Refill only when this many slots are free (or the queue is that short, or the engine is
         # idle): one prefill call per freed slot costs more than the decode step on small models.
         self.min_prefill_batch = max(1, min_prefill_batch)
+        # Decode steps per jitted call (vLLM's multi-step scheduling): the host loop, transfers and
+        # dispatch are paid once per call; free slots are refilled and aborts land between calls.
+        self.decode_steps_per_call = decode_steps_per_call
         self.max_model_len = max_model_len
         self.buckets = prefill_buckets(max_model_len)
         self.policy_version = policy_version
@@ -142,9 +157,11 @@ class JaxEngine(PollingEngine):
         enough = len(free) >= min(self.min_prefill_batch, len(self._queue)) or len(free) == self.max_num_seqs
         if self._queue and free and enough:
             self._start([(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]], finished)
+        t_prefilled = time.perf_counter()
         busy = [i for i, s in enumerate(self._slots) if s is not None]
         if busy:
             self._decode_step(busy, finished)
+        self._stats["prefill_time_s"] += t_prefilled - t
         self._stats["time_s"] += time.perf_counter() - t
         return finished
 
@@ -191,8 +208,11 @@ class JaxEngine(PollingEngine):
                         jnp.asarray(z), jnp.asarray(z), mode=mode)
                     rows *= 2
             zs = jnp.zeros(S, jnp.int32)
-            self._cache, *_ = self._decode(self._state, self._cache, zs, jnp.zeros(S, bool), jnp.zeros(S, jnp.float32),
-                                           jnp.ones(S, jnp.float32), zs, zs, zs, mode=mode)
+            for num_steps in self._num_steps_choices():
+                self._cache, *_ = self._decode(
+                    self._state, self._cache, zs, jnp.zeros(S, bool), jnp.zeros(S, jnp.float32),
+                    jnp.ones(S, jnp.float32), zs, zs, zs, zs, jnp.full((S, 4), -1, jnp.int32), mode=mode,
+                    num_steps=num_steps)
         self._cache = self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32))
 
     def has_unfinished(self) -> bool:
@@ -211,11 +231,13 @@ class JaxEngine(PollingEngine):
             "tokens_generated": s["tokens_generated"],
             "prefill_tokens": s["prefill_tokens"],
             "decode_steps": s["decode_steps"],
+            "decode_calls": s["decode_calls"],
             "busy_slot_steps": s["busy_slot_steps"],
             "occupancy": s["busy_slot_steps"] / (steps * self.max_num_seqs),
             "aborted": s["aborted"],
             "errors": s["errors"],
             "time_s": s["time_s"],
+            "prefill_time_s": s["prefill_time_s"],
             "policy_version": self.policy_version,
         }
 
@@ -251,27 +273,46 @@ class JaxEngine(PollingEngine):
                 self._slots[slot] = _Slot(request, seed)
                 self._append(slot, int(first[r]), float(logprobs[r]), finished)
 
+    def _num_steps_choices(self) -> list[int]:
+        return [1 << i for i in range(self.decode_steps_per_call.bit_length()) if 1 << i <= self.decode_steps_per_call]
+
     def _decode_step(self, busy: list[int], finished: list[Result]) -> None:
         S = self.max_num_seqs
         active = np.zeros(S, bool)
         active[busy] = True
         temp, top_p, top_k = np.zeros(S, np.float32), np.ones(S, np.float32), np.zeros(S, np.int32)
-        seeds, steps = np.zeros(S, np.int32), np.zeros(S, np.int32)
+        seeds, steps, limits = np.zeros(S, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
+        num_stop = max(len(self._slots[i].request.stop_token_ids) for i in busy)
+        stop_ids = np.full((S, max(4, 1 << (num_stop - 1).bit_length())), -1, np.int32)
         for i in busy:
             slot = self._slots[i]
-            p = slot.request.sampling
+            request, p = slot.request, slot.request.sampling
             temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
             seeds[i], steps[i] = slot.seed, len(slot.tokens)
-        self._cache, tokens, logprobs = self._decode(
+            limits[i] = min(request.max_new_tokens, self.max_model_len - len(request.prompt_ids))
+            stop_ids[i, : len(request.stop_token_ids)] = list(request.stop_token_ids)
+        # No more steps than the longest remaining request can use (a power of two bounds compiles).
+        room = int((limits - steps)[busy].max())
+        num_steps = max(n for n in self._num_steps_choices() if n <= max(room, 1))
+        t0 = self.now()
+        self._cache, tokens, logprobs, was_active = self._decode(
             self._state, self._cache, jnp.asarray(self._next_token), jnp.asarray(active),
             jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k), jnp.asarray(seeds), jnp.asarray(steps),
-            mode=sampling.batch_mode(temp, top_p, top_k))
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-        self._stats["decode_steps"] += 1
-        self._stats["busy_slot_steps"] += len(busy)
-        self.timeline.append((self.now(), len(busy)))
+            jnp.asarray(limits), jnp.asarray(stop_ids), mode=sampling.batch_mode(temp, top_p, top_k),
+            num_steps=num_steps)
+        tokens, logprobs, was_active = np.asarray(tokens), np.asarray(logprobs), np.asarray(was_active)
+        busy_per_step = was_active.sum(axis=1)
+        dt = (self.now() - t0) / num_steps
+        self.timeline.extend((t0 + (k + 1) * dt, int(n)) for k, n in enumerate(busy_per_step))
+        self._stats["decode_steps"] += num_steps
+        self._stats["decode_calls"] += 1
+        self._stats["busy_slot_steps"] += int(busy_per_step.sum())
         for i in busy:
-            self._append(i, int(tokens[i]), float(logprobs[i]), finished)
+            for k in range(num_steps):
+                if not was_active[k, i] or self._slots[i] is None:
+                    break
+                self._append(i, int(tokens[k, i]), float(logprobs[k, i]), finished)
+        assert all(self._slots[i] is None for i in busy if not was_active[-1, i]), "host and device stop rules differ"
 
     def _append(self, i: int, token: int, logprob: float, finished: list[Result]) -> None:
         slot = self._slots[i]

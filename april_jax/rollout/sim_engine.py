@@ -113,6 +113,7 @@ class SimEngine(PollingEngine):
         key = r.sample_key or r.request_id
         total = draw_length(self.seed, key, self.length_scale)
         self._clock += self.p * len(r.prompt_ids)
+        self._stats["prefill_time_s"] += self.p * len(r.prompt_ids)
         self._stats["prefill_tokens"] += len(r.prompt_ids)
         remaining = max(1, total - self._progress.get(key, 0))
         return _Running(r, key, remaining, version_marks=[(0, self.policy_version)])
@@ -148,6 +149,7 @@ class SimEngine(PollingEngine):
                 "busy_slot_steps": s["busy_slot_steps"],
                 "occupancy": s["busy_slot_steps"] / max(s["decode_steps"] * self.max_num_seqs, 1),
                 "aborted": s["aborted"], "errors": s["errors"], "time_s": self._clock,
+                "prefill_time_s": s["prefill_time_s"],
                 "policy_version": self.policy_version}
 
     def limit_tokens_per_s(self) -> float:
