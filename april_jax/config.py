@@ -63,6 +63,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.max_model_len = 0  # 0: max_prompt_len + max_response_len
     c.rollout.vllm_urls = ""  # comma-separated servers to attach to (vllm engine); else one is launched
     c.rollout.vllm_python = ""  # interpreter with vllm installed (its own venv); empty: this one
+    c.rollout.weight_transport = "shm"  # vllm: "shm", "file" or "cuda_ipc" (GPU, untested)
+    c.rollout.vllm_sleep_mode = False  # vllm colocated on the trainer's GPU: sleep while training
+    c.rollout.decode_steps_per_call = 8  # jax engine: decode steps per jitted call
 
     c.loss = ml_collections.ConfigDict(dict(LossConfig().__dict__))
     c.loss.clip_c = 0.0  # dual-clip constant for negative advantages (e.g. 3.0); 0: off
@@ -139,12 +142,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             raise ConfigError(f"config key {key!r} expects {type(expected).__name__}, got {value!r} "
                               f"({type(value).__name__})")
     choices = {"rollout.engine": ("jax", "vllm", "sim"), "data.task": ("file", "reverse"),
+               "rollout.weight_transport": ("shm", "file", "cuda_ipc"),
                "loss.advantage": ("grpo", "drgrpo", "rloo"), "model.dtype": ("float32", "bfloat16", "float16"),
                "model.compute_dtype": ("float32", "bfloat16", "float16")}
     for key, allowed in choices.items():
         if given[key] not in allowed:
             raise ConfigError(f"config key {key!r}={given[key]!r}: expected one of {allowed}")
-    for key in ("train.total_steps", "checkpoint.every", "checkpoint.keep", "train.num_iterations"):
+    for key in ("train.total_steps", "checkpoint.every", "checkpoint.keep", "train.num_iterations",
+                "rollout.decode_steps_per_call"):
         if given[key] <= 0:
             raise ConfigError(f"config key {key!r}={given[key]}: must be > 0")
     batch = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt

@@ -111,7 +111,7 @@ def build_engine(c, model, max_model_len: int, version: int):
         from april_jax.rollout.jax_engine import JaxEngine
 
         return JaxEngine(model, max_num_seqs=c.rollout.max_num_seqs, max_model_len=max_model_len, seed=c.seed,
-                         policy_version=version)
+                         policy_version=version, decode_steps_per_call=c.rollout.decode_steps_per_call)
     if c.rollout.engine == "sim":
         from april_jax.rollout.sim_engine import SimEngine
 
@@ -123,12 +123,14 @@ def build_engine(c, model, max_model_len: int, version: int):
     urls = [u.strip() for u in c.rollout.vllm_urls.split(",") if u.strip()]
     if urls:
         return VllmEngine(urls=urls, api_key=os.environ.get("VLLM_API_KEY"), max_num_seqs=c.rollout.max_num_seqs,
-                          max_model_len=max_model_len, policy_version=version)
+                          max_model_len=max_model_len, policy_version=version,
+                          weight_transport=c.rollout.weight_transport, sleep_mode=c.rollout.vllm_sleep_mode)
     init_dir = Path(c.workdir) / "vllm_init"
     qwen3.save_pretrained(model, init_dir)  # the server starts from the trainer's current weights
     return VllmEngine(init_dir, python=c.rollout.vllm_python or None, max_num_seqs=c.rollout.max_num_seqs,
                       max_model_len=max_model_len, policy_version=version, log_dir=c.workdir,
-                      dtype=c.model.dtype)
+                      dtype=c.model.dtype, weight_transport=c.rollout.weight_transport,
+                      sleep_mode=c.rollout.vllm_sleep_mode)
 
 
 def evaluate(engine, prompts, reward, c, stop_ids, version: int) -> dict:
@@ -222,10 +224,12 @@ def run(c) -> dict:
             if not groups:
                 raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
             batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
+            engine.sleep()
             for _ in range(c.train.num_iterations):
                 metrics.update(trainer.step(batch, version))
             t2 = time.perf_counter()
             version += 1
+            engine.wake_up()
             engine.update_weights(trainer.nnx_state() if c.rollout.engine != "sim" else None, version)
             t3 = time.perf_counter()
             metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,

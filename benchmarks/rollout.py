@@ -25,7 +25,7 @@ from april_jax.rollout.sim_engine import SimEngine, draw_length
 from april_jax.rollout.types import PromptRecord
 
 
-def prompts(seed: int, length: int = 64, vocab: int = 1000):
+def prompts(seed: int, length: int, vocab: int = 1000):
     rng = np.random.default_rng(seed)
     for i in itertools.count():
         yield PromptRecord(uid=f"p{i}", prompt_ids=rng.integers(1, vocab, length).tolist())
@@ -70,8 +70,8 @@ class LengthBudgetEngine:
         return self._fix(self.engine.abort_all())
 
 
-def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prefill_ms=None,
-                min_prefill_batch: int = 1):
+def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prompt_len: int,
+                prefill_ms=None, min_prefill_batch: int = 1):
     if kind == "sim":
         extra = {} if prefill_ms is None else {"prefill_s_per_token": prefill_ms / 1000}
         return SimEngine(slots=slots, seed=seed, length_scale=length_scale, **extra)
@@ -81,9 +81,9 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
     from april_jax.rollout.jax_engine import JaxEngine
 
-    engine = JaxEngine(qwen3.init_model(cfg, seed=seed), max_num_seqs=slots, max_model_len=64 + max_response_len + 1,
+    engine = JaxEngine(qwen3.init_model(cfg, seed=seed), max_num_seqs=slots, max_model_len=prompt_len + max_response_len + 1,
                        seed=seed, min_prefill_batch=min_prefill_batch)
-    engine.warmup(modes=("sample",))
+    engine.warmup(modes=("sample",), group_size=8)
     return LengthBudgetEngine(engine, seed, length_scale)
 
 
@@ -93,8 +93,8 @@ def run(mode: str, args) -> dict:
                         over_sampling_batch_size=32 if sync else 64, partial_rollout=not sync,
                         max_response_len=args.max_response_len, temperature=1.0)
     engine = make_engine(args.engine, args.seed, args.slots, args.length_scale, args.max_response_len,
-                         args.prefill_ms_per_token, args.min_prefill_batch)
-    april = April(cfg, prompts(args.seed))
+                         args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch)
+    april = April(cfg, prompts(args.seed, args.prompt_len))
     tokens = time = off_policy = 0.0
     delivered_tokens, dropped = 0, 0
     steps = []
@@ -123,6 +123,8 @@ def main():
     parser.add_argument("--slots", type=int, default=None, help="engine slots (default: 256 sim, 64 jax)")
     parser.add_argument("--length-scale", type=float, default=None, help="default: 1.0 sim, 1/256 jax")
     parser.add_argument("--max-response-len", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="default: 64 x length scale, at least 8 (all lengths scaled alike)")
     parser.add_argument("--prefill-ms-per-token", type=float, default=None,
                         help="sim only; default: the CPU-calibrated 0.73 (a GPU is ~0.02)")
     parser.add_argument("--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free")
@@ -132,6 +134,8 @@ def main():
         args.slots = 256 if args.engine == "sim" else 64
     if args.length_scale is None:
         args.length_scale = 1.0 if args.engine == "sim" else 1 / 256
+    if args.prompt_len is None:
+        args.prompt_len = max(8, round(64 * args.length_scale))
     if args.max_response_len is None:
         args.max_response_len = int(32768 * args.length_scale)
     sync, april = run("sync", args), run("april", args)
@@ -141,7 +145,7 @@ def main():
         limit = measure_jax_limit(args)
     out = {
         "benchmark": "rollout", "engine": args.engine, "steps": args.steps, "seed": args.seed, "slots": args.slots,
-        "length_scale": args.length_scale, "max_response_len": args.max_response_len,
+        "length_scale": args.length_scale, "max_response_len": args.max_response_len, "prompt_len": args.prompt_len,
         "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
         "speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
@@ -166,9 +170,9 @@ def measure_jax_limit(args) -> float:
     """Tokens/s of the JAX engine with every slot busy: long greedy requests, no stops."""
     from april_jax.rollout.types import Request, SamplingParams
 
-    engine = make_engine("jax", args.seed, args.slots, 1.0, args.max_response_len).engine
+    engine = make_engine("jax", args.seed, args.slots, 1.0, args.max_response_len, args.prompt_len).engine
     n = args.max_response_len
-    reqs = lambda tag: [Request(f"{tag}{i}", list(range(1, 65)), n, SamplingParams(1.0, seed=i)) for i in range(args.slots)]
+    reqs = lambda tag: [Request(f"{tag}{i}", list(range(1, args.prompt_len + 1)), n, SamplingParams(1.0, seed=i)) for i in range(args.slots)]
     engine.generate(reqs("warm"))
     t0, before = engine.now(), engine.stats()["tokens_generated"]
     engine.submit(reqs("run"))

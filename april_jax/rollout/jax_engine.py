@@ -60,17 +60,21 @@ class _Slot:
         return Result(self.request.request_id, list(self.tokens), list(self.logprobs), list(self.versions), reason)
 
 
-def _prefill(graphdef, state, cache: KVCache, slots_N, tokens_NT, lengths_N, temperature_N, top_p_N, top_k_N, seeds_N,
-             *, mode):
-    """Prefill N new requests at once into their slots; padding rows carry slot index = #slots and are dropped."""
+def _prefill(graphdef, state, cache: KVCache, slots_M, source_M, tokens_NT, lengths_N, temperature_M, top_p_M, top_k_M,
+             seeds_M, *, mode):
+    """Prefill N distinct prompts once and start M requests from them: request m takes prompt
+    `source_M[m]`'s KV rows into slot `slots_M[m]` and samples its first token with its own key
+    (the n samples of a group share one prefill, as vLLM's prefix cache would give). Padding
+    requests carry slot index = #slots and are dropped."""
     model = nnx.merge(graphdef, state)
     N, T = tokens_NT.shape
     fresh = KVCache.zeros(model.cfg, N, T, cache.v[0].dtype)
     logits_NTV, fresh = model.forward(tokens_NT, cache=fresh, num_new_B=lengths_N)
-    last_NV = jnp.take_along_axis(logits_NTV, (lengths_N - 1)[:, None, None], axis=1)[:, 0]
-    keys = sampling.request_keys(seeds_N, jnp.zeros((N,), jnp.int32))
-    tokens_N, logprobs_N = sampling.sample(last_NV, keys, temperature_N, top_p_N, top_k_N, mode=mode)
-    return cache.put_rows(slots_N, fresh), tokens_N, logprobs_N
+    last_MV = jnp.take_along_axis(logits_NTV, (lengths_N - 1)[:, None, None], axis=1)[source_M, 0]
+    keys = sampling.request_keys(seeds_M, jnp.zeros(source_M.shape, jnp.int32))
+    tokens_M, logprobs_M = sampling.sample(last_MV, keys, temperature_M, top_p_M, top_k_M, mode=mode)
+    fresh_M = KVCache(*jax.tree.map(lambda x: x[source_M], (fresh.k, fresh.v, fresh.lengths_B)))
+    return cache.put_rows(slots_M, fresh_M), tokens_M, logprobs_M
 
 
 def _decode(graphdef, state, cache: KVCache, tokens_B, active_B, temperature_B, top_p_B, top_k_B, seeds_B, steps_B,
@@ -193,19 +197,23 @@ class JaxEngine(PollingEngine):
         self._state = state
         self.policy_version = int(version)
 
-    def warmup(self, modes=("greedy", "sample")) -> None:
-        """Compile every prefill (bucket x power-of-two rows) and decode program up front, so no
-        compile lands inside a rollout. Costs one compile per program."""
+    def warmup(self, modes=("greedy", "sample"), group_size: int = 1) -> None:
+        """Compile every prefill (bucket x power-of-two rows, each row its own prompt or
+        `group_size` rows per prompt) and decode program up front, so no compile lands inside a
+        rollout. Costs one compile per program."""
         S = self.max_num_seqs
+        share = 1 << (max(group_size, 1) - 1).bit_length()
         for mode in modes:
             for bucket in self.buckets:
                 rows = 1
                 while rows <= 1 << (S - 1).bit_length():
                     z = np.zeros(rows, np.int32)
-                    self._cache, *_ = self._prefill(
-                        self._state, self._cache, jnp.full(rows, S, jnp.int32), jnp.zeros((rows, bucket), jnp.int32),
-                        jnp.ones(rows, jnp.int32), jnp.asarray(z, jnp.float32), jnp.ones(rows, jnp.float32),
-                        jnp.asarray(z), jnp.asarray(z), mode=mode)
+                    for prompts in sorted({rows, max(1, rows // share)}):
+                        self._cache, *_ = self._prefill(
+                            self._state, self._cache, jnp.full(rows, S, jnp.int32),
+                            jnp.arange(rows, dtype=jnp.int32) % prompts, jnp.zeros((prompts, bucket), jnp.int32),
+                            jnp.ones(prompts, jnp.int32), jnp.asarray(z, jnp.float32), jnp.ones(rows, jnp.float32),
+                            jnp.asarray(z), jnp.asarray(z), mode=mode)
                     rows *= 2
             zs = jnp.zeros(S, jnp.int32)
             for num_steps in self._num_steps_choices():
@@ -256,17 +264,24 @@ class JaxEngine(PollingEngine):
         for item in starting:
             by_bucket[next(b for b in self.buckets if b >= len(item[1].prompt_ids))].append(item)
         for bucket, items in sorted(by_bucket.items()):
-            rows = 1 << (len(items) - 1).bit_length()
+            prompts: dict[tuple, int] = {}  # distinct prompt -> its prefill row
+            for _, request, _ in items:
+                prompts.setdefault(tuple(request.prompt_ids), len(prompts))
+            rows, prefill_rows = (1 << (n - 1).bit_length() for n in (len(items), len(prompts)))
+            tokens, lengths = np.zeros((prefill_rows, bucket), np.int32), np.ones(prefill_rows, np.int32)
+            for prompt, r in prompts.items():
+                tokens[r, : len(prompt)], lengths[r] = prompt, len(prompt)
+                self._stats["prefill_tokens"] += len(prompt)
             slots = np.full(rows, self.max_num_seqs, np.int32)  # out of range: dropped
-            tokens, lengths = np.zeros((rows, bucket), np.int32), np.ones(rows, np.int32)
+            source = np.zeros(rows, np.int32)
             temp, top_p, top_k, seeds = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
             for r, (slot, request, seed) in enumerate(items):
-                n, sp = len(request.prompt_ids), request.sampling
-                slots[r], lengths[r], tokens[r, :n], seeds[r] = slot, n, request.prompt_ids, seed
+                sp = request.sampling
+                slots[r], source[r], seeds[r] = slot, prompts[tuple(request.prompt_ids)], seed
                 temp[r], top_p[r], top_k[r] = sp.temperature, sp.top_p, sp.top_k
-                self._stats["prefill_tokens"] += n
             self._cache, first, logprobs = self._prefill(
-                self._state, self._cache, *map(jnp.asarray, (slots, tokens, lengths, temp, top_p, top_k, seeds)),
+                self._state, self._cache,
+                *map(jnp.asarray, (slots, source, tokens, lengths, temp, top_p, top_k, seeds)),
                 mode=sampling.batch_mode(temp, top_p, top_k))
             first, logprobs = np.asarray(first), np.asarray(logprobs)
             for r, (slot, request, seed) in enumerate(items):

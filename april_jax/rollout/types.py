@@ -137,6 +137,12 @@ class PollingEngine:
         self._stats["errors"] += 1
         return Result(request.request_id, [], [], [], "error", problem)
 
+    def sleep(self) -> None:
+        """Release accelerator memory while the trainer steps (vLLM sleep mode); no-op by default."""
+
+    def wake_up(self) -> None:
+        """Undo `sleep` before the next weight sync and rollout."""
+
     def run(self):
         while self.has_unfinished():
             yield from self.step()

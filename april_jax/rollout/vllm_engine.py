@@ -54,15 +54,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+WEIGHT_TRANSPORTS = ("shm", "file", "cuda_ipc")
+
+
 class VllmServer:
     """One vLLM OpenAI server process we own."""
 
     def __init__(self, model_path, *, python: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
                  dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
-                 log_dir=None, seed: int = 0):
+                 log_dir=None, seed: int = 0, enable_sleep_mode: bool = False):
         self.args = dict(model_path=model_path, python=python, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          dtype=dtype, kv_cache_bytes=kv_cache_bytes, startup_timeout=startup_timeout,
-                         log_dir=log_dir, seed=seed)
+                         log_dir=log_dir, seed=seed, enable_sleep_mode=enable_sleep_mode)
         self.port = _free_port()
         self.api_key = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -72,6 +75,8 @@ class VllmServer:
                "--api-key", self.api_key, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                "--dtype", dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes),
                "--seed", str(seed), "--worker-extension-cls", "april_jax.rollout.vllm_ext.WeightUpdateExt"]
+        if enable_sleep_mode:
+            cmd.append("--enable-sleep-mode")
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",
                    PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
         env.pop("XLA_FLAGS", None)
@@ -124,7 +129,13 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
 class VllmEngine(PollingEngine):
     def __init__(self, model_path=None, *, urls: list[str] | None = None, api_key: str | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 4096, policy_version: int = 0, shared_dir=None,
-                 **server_kw):
+                 weight_transport: str = "shm", sleep_mode: bool = False, **server_kw):
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={weight_transport!r}: expected one of {WEIGHT_TRANSPORTS}")
+        self.weight_transport = weight_transport
+        # Colocated on one GPU: release vLLM's memory (weights to host, KV cache dropped) while the
+        # trainer steps. A launched server gets --enable-sleep-mode; attached servers must have it.
+        self.sleep_mode = sleep_mode
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.policy_version = policy_version
         self.servers: list[VllmServer] = []
@@ -133,11 +144,13 @@ class VllmEngine(PollingEngine):
         else:
             if model_path is None:
                 raise ValueError("VllmEngine: give model_path (to launch a server) or urls (to attach)")
-            server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **server_kw)
+            server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                enable_sleep_mode=sleep_mode, **server_kw)
             self.servers.append(server)
             self.urls, self.api_key = [server.url], server.api_key
         self._shared_dir = shared_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        self._buffer = None
+        self._buffer = None  # SharedSafetensors or CudaIpcBucket, made at the first sync
+        self._last_sync: tuple[str, str] | None = None  # (worker method, argument) a restarted server replays
         self._done: queue.Queue[Result] = queue.Queue()
         self._live: dict[str, dict] = {}  # request id -> stream state
         self._lost: list[dict] = []  # streams cut by a dead server, to resume
@@ -245,8 +258,9 @@ class VllmEngine(PollingEngine):
             self.servers[i] = fresh
             self.urls = [fresh.url if u == server.url else u for u in self.urls]
             self.api_key = fresh.api_key
-            if self._buffer is not None:
-                self._post(fresh.url, "/collective_rpc", {"method": "april_update_from_file", "args": [self._buffer.path]})
+            if self._last_sync is not None:
+                method, arg = self._last_sync
+                self._post(fresh.url, "/collective_rpc", {"method": method, "args": [arg]})
                 self._post(fresh.url, "/reset_prefix_cache", {})
             self._stats["restarts"] += 1
             for st in list(self._live.values()):
@@ -309,17 +323,37 @@ class VllmEngine(PollingEngine):
         return self.abort(ids)
 
     def update_weights(self, params, version: int) -> None:
+        """Push `params` (an nnx.State or model; None: version bump only) to every server through
+        `weight_transport`: "shm" (one /dev/shm safetensors buffer overwritten in place, mapped by
+        the worker), "file" (a new safetensors file per sync, for servers that share a
+        filesystem but not memory), "cuda_ipc" (GPU only, untested: see `weights.CudaIpcBucket`)."""
         if params is not None:
             from april_jax import weights
 
             named = weights.named_torch(params)
-            if self._buffer is None:
-                path = Path(self._shared_dir) / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
-                self._buffer = weights.SharedSafetensors(named, path)
-            self._buffer.write(named)
+            if self.weight_transport == "cuda_ipc":
+                if self._buffer is None:
+                    self._buffer = weights.CudaIpcBucket(named)
+                self._buffer.write(named)
+                method, arg = "april_update_from_cuda_ipc", self._buffer.payload()
+            elif self.weight_transport == "file":
+                path = Path(self._shared_dir) / f"april_jax_weights_{os.getpid()}_{id(self)}_v{version}.safetensors"
+                tmp = path.with_suffix(".tmp")
+                weights.write_safetensors(named, tmp)
+                os.replace(tmp, path)
+                method, arg = "april_update_from_file", str(path)
+            else:
+                if self._buffer is None:
+                    path = Path(self._shared_dir) / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
+                    self._buffer = weights.SharedSafetensors(named, path)
+                self._buffer.write(named)
+                method, arg = "april_update_from_file", self._buffer.path
             for url in self.urls:
-                self._post(url, "/collective_rpc", {"method": "april_update_from_file", "args": [self._buffer.path]})
+                self._post(url, "/collective_rpc", {"method": method, "args": [arg]})
                 self._post(url, "/reset_prefix_cache", {})
+            if self.weight_transport == "file" and self._last_sync is not None:
+                Path(self._last_sync[1]).unlink(missing_ok=True)  # the latest file stays for a restarted server
+            self._last_sync = (method, arg)
         self.policy_version = int(version)
 
     def has_unfinished(self) -> bool:
@@ -340,15 +374,29 @@ class VllmEngine(PollingEngine):
         return time.perf_counter() - self._t0
 
     def sleep(self) -> None:
-        if not self._said_no_sleep:
-            log.info("vLLM sleep/wake and torch_memory_saver are GPU features; skipped on this host")
-            self._said_no_sleep = True
+        """Before a colocated train step: vLLM level-1 sleep (weights offloaded to host memory, KV
+        cache discarded). Only with `sleep_mode`; a no-op otherwise, said once in the log."""
+        if not self.sleep_mode:
+            if not self._said_no_sleep:
+                log.info("vLLM sleep/wake off (sleep_mode=False; it is a GPU feature): the server keeps its memory")
+                self._said_no_sleep = True
+            return
+        for url in self.urls:
+            self._post(url, "/sleep?level=1", {})
+
+    def wake_up(self) -> None:
+        if self.sleep_mode:
+            for url in self.urls:
+                self._post(url, "/wake_up", {})
 
     def shutdown(self) -> None:
         self.abort_all()
         for server in self.servers:
             server.kill()
-        if self._buffer is not None:
+        if hasattr(self._buffer, "path"):  # the shm buffer's file
             path = self._buffer.path
             self._buffer.close()
             Path(path).unlink(missing_ok=True)
+        self._buffer = None
+        if self.weight_transport == "file" and self._last_sync is not None:
+            Path(self._last_sync[1]).unlink(missing_ok=True)

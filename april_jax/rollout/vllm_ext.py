@@ -14,3 +14,21 @@ class WeightUpdateExt:
         named = list(safetensors.torch.load_file(path).items())
         self.model_runner.reload_weights(weights_iterator=iter(named))
         return len(named)
+
+    def april_update_from_cuda_ipc(self, payload: str) -> int:
+        """Map the trainer's CUDA buffer (see `april_jax.weights.CudaIpcBucket`) and load from it.
+        UNTESTED until a GPU run proves it."""
+        import base64
+        import pickle
+
+        import torch
+
+        meta, (rebuild, args) = pickle.loads(base64.b64decode(payload))
+        args = list(args)
+        args[6] = self.device.index  # same physical GPU, but CUDA_VISIBLE_DEVICES may renumber it
+        buffer = rebuild(*args)
+        named = [(name, buffer[off:off + n].view(getattr(torch, dtype)).view(shape))
+                 for name, dtype, shape, off, n in meta]
+        self.model_runner.reload_weights(weights_iterator=iter(named))
+        torch.cuda.synchronize()
+        return len(named)
