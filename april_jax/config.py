@@ -66,6 +66,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.weight_transport = "shm"  # vllm: "shm", "file" or "cuda_ipc" (GPU, untested)
     c.rollout.vllm_sleep_mode = False  # vllm colocated on the trainer's GPU: sleep while training
     c.rollout.decode_steps_per_call = 8  # jax engine: decode steps per jitted call
+    c.rollout.reuse_aborted_kv = False  # jax engine: resume partials from their parked KV (no re-prefill)
 
     c.loss = ml_collections.ConfigDict(dict(LossConfig().__dict__))
     c.loss.clip_c = 0.0  # dual-clip constant for negative advantages (e.g. 3.0); 0: off

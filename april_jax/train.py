@@ -111,7 +111,8 @@ def build_engine(c, model, max_model_len: int, version: int):
         from april_jax.rollout.jax_engine import JaxEngine
 
         return JaxEngine(model, max_num_seqs=c.rollout.max_num_seqs, max_model_len=max_model_len, seed=c.seed,
-                         policy_version=version, decode_steps_per_call=c.rollout.decode_steps_per_call)
+                         policy_version=version, decode_steps_per_call=c.rollout.decode_steps_per_call,
+                         reuse_aborted_kv=c.rollout.reuse_aborted_kv, samples_per_prompt=c.rollout.n_samples_per_prompt)
     if c.rollout.engine == "sim":
         from april_jax.rollout.sim_engine import SimEngine
 

@@ -71,10 +71,10 @@ class LengthBudgetEngine:
 
 
 def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prompt_len: int,
-                prefill_ms=None, min_prefill_batch: int = 1):
+                prefill_ms=None, min_prefill_batch: int = 1, reuse_aborted_kv: bool = False):
     if kind == "sim":
         extra = {} if prefill_ms is None else {"prefill_s_per_token": prefill_ms / 1000}
-        return SimEngine(slots=slots, seed=seed, length_scale=length_scale, **extra)
+        return SimEngine(slots=slots, seed=seed, length_scale=length_scale, reuse_aborted_kv=reuse_aborted_kv, **extra)
     from april_jax.models import qwen3
 
     cfg = qwen3.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -82,8 +82,9 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
     from april_jax.rollout.jax_engine import JaxEngine
 
     engine = JaxEngine(qwen3.init_model(cfg, seed=seed), max_num_seqs=slots, max_model_len=prompt_len + max_response_len + 1,
-                       seed=seed, min_prefill_batch=min_prefill_batch)
-    engine.warmup(modes=("sample",), group_size=8)
+                       seed=seed, min_prefill_batch=min_prefill_batch, reuse_aborted_kv=reuse_aborted_kv,
+                       samples_per_prompt=8)
+    engine.warmup(modes=("sample",))
     return LengthBudgetEngine(engine, seed, length_scale)
 
 
@@ -93,7 +94,7 @@ def run(mode: str, args) -> dict:
                         over_sampling_batch_size=32 if sync else 64, partial_rollout=not sync,
                         max_response_len=args.max_response_len, temperature=1.0)
     engine = make_engine(args.engine, args.seed, args.slots, args.length_scale, args.max_response_len,
-                         args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch)
+                         args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch, args.reuse_aborted_kv)
     april = April(cfg, prompts(args.seed, args.prompt_len))
     tokens = time = off_policy = 0.0
     delivered_tokens, dropped = 0, 0
@@ -121,19 +122,21 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slots", type=int, default=None, help="engine slots (default: 256 sim, 64 jax)")
-    parser.add_argument("--length-scale", type=float, default=None, help="default: 1.0 sim, 1/256 jax")
+    parser.add_argument("--length-scale", type=float, default=None, help="default: 1.0 sim, 1/64 jax")
     parser.add_argument("--max-response-len", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="default: 64 x length scale, at least 8 (all lengths scaled alike)")
     parser.add_argument("--prefill-ms-per-token", type=float, default=None,
                         help="sim only; default: the CPU-calibrated 0.73 (a GPU is ~0.02)")
     parser.add_argument("--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free")
+    parser.add_argument("--reuse-aborted-kv", action="store_true",
+                        help="resumed requests take their parked KV instead of a re-prefill")
     parser.add_argument("--png", default=None, help="write busy slots over time for both modes")
     args = parser.parse_args()
     if args.slots is None:
         args.slots = 256 if args.engine == "sim" else 64
     if args.length_scale is None:
-        args.length_scale = 1.0 if args.engine == "sim" else 1 / 256
+        args.length_scale = 1.0 if args.engine == "sim" else 1 / 64
     if args.prompt_len is None:
         args.prompt_len = max(8, round(64 * args.length_scale))
     if args.max_response_len is None:
@@ -147,6 +150,7 @@ def main():
         "benchmark": "rollout", "engine": args.engine, "steps": args.steps, "seed": args.seed, "slots": args.slots,
         "length_scale": args.length_scale, "max_response_len": args.max_response_len, "prompt_len": args.prompt_len,
         "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
+        "reuse_aborted_kv": args.reuse_aborted_kv,
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
         "speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
         "limit_tokens_per_s": round(limit, 1),

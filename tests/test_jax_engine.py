@@ -214,7 +214,7 @@ def test_requests_with_the_same_prompt_share_one_prefill(tiny, prompts):
     _, model = tiny
     requests = [Request(f"{g}-{j}", prompts[g], 16, SamplingParams(1.0, seed=10 * g + j)) for g in range(3)
                 for j in range(4)]
-    engine = engine_for(model, max_num_seqs=12)
+    engine = engine_for(model, max_num_seqs=12, samples_per_prompt=4)
     shared = engine.generate(requests)
     assert engine.stats()["prefill_tokens"] == sum(len(prompts[g]) for g in range(3))
     assert len({tuple(shared[f"0-{j}"].token_ids) for j in range(4)}) > 1  # own keys, not copies
@@ -223,3 +223,29 @@ def test_requests_with_the_same_prompt_share_one_prefill(tiny, prompts):
         alone = alone_engine.generate([request])[request.request_id]
         assert shared[request.request_id].token_ids == alone.token_ids
         np.testing.assert_allclose(shared[request.request_id].logprobs, alone.logprobs, atol=1e-5)
+
+
+def test_reused_aborted_kv_resumes_exactly_like_an_uninterrupted_run(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    engine = engine_for(model, reuse_aborted_kv=True, decode_steps_per_call=2)
+    engine.submit([Request(str(i), prompts[i], 32, GREEDY) for i in range(8)])
+    for _ in range(4):
+        engine.step()
+    partial = {r.request_id: r for r in engine.abort_all() if r.token_ids}
+    assert len(partial) == SLOTS and engine.stats()["kv_parked"] == SLOTS
+    resumed = engine.generate([Request(rid, prompts[int(rid)] + r.token_ids, 32 - len(r.token_ids), GREEDY)
+                               for rid, r in partial.items()])
+    stats = engine.stats()
+    assert stats["kv_reused"] == SLOTS
+    assert stats["prefill_tokens"] == sum(len(prompts[i]) for i in range(SLOTS))  # no re-prefill
+    for rid, r in partial.items():
+        assert r.token_ids + resumed[rid].token_ids == out[rid].token_ids
+        np.testing.assert_allclose(r.logprobs + resumed[rid].logprobs, out[rid].logprobs, atol=1e-5)
+    # A prompt that only shares a prefix with a parked row is prefilled, not matched.
+    engine.submit([Request("x", prompts[0], 8, GREEDY)])
+    for _ in range(2):
+        engine.step()
+    engine.abort_all()
+    assert engine.generate([Request("y", prompts[0], 8, GREEDY)])["y"].token_ids == out["0"].token_ids[:8]
+    assert engine.stats()["kv_reused"] == SLOTS

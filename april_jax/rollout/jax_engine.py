@@ -45,6 +45,7 @@ from flax import nnx
 
 from april_jax.models.qwen3 import KVCache, Qwen3
 from april_jax.rollout import sampling
+from april_jax.rollout.kv_park import KVParking
 from april_jax.rollout.types import PollingEngine, Request, Result
 
 
@@ -116,7 +117,8 @@ def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
 
 class JaxEngine(PollingEngine):
     def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
-                 policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8):
+                 policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8,
+                 reuse_aborted_kv: bool = False, samples_per_prompt: int = 1):
         if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
             raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
                              f"decode_steps_per_call={decode_steps_per_call} must be positive")
@@ -130,10 +132,17 @@ class JaxEngine(PollingEngine):
         # Decode steps per jitted call (vLLM's multi-step scheduling): the host loop, transfers and
         # dispatch are paid once per call; free slots are refilled and aborts land between calls.
         self.decode_steps_per_call = decode_steps_per_call
+        # Requests with the same prompt share one prefill row; a refill of M rows prefills either M
+        # rows or M / share rows (two programs per row count, all compiled by `warmup`).
+        self.prefill_share = 1 << (max(samples_per_prompt, 1) - 1).bit_length()
         self.max_model_len = max_model_len
         self.buckets = prefill_buckets(max_model_len)
         self.policy_version = policy_version
         self._cache = KVCache.zeros(self.cfg, max_num_seqs, max_model_len, cache_dtype)
+        # Opt-in: aborted rows wait in a side cache and a resume of exactly their tokens skips the
+        # re-prefill (see kv_park.py for what that trades).
+        self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache.v[0].dtype) \
+            if reuse_aborted_kv else None
         self._slots: list[_Slot | None] = [None] * max_num_seqs
         self._queue: collections.deque[tuple[Request, int]] = collections.deque()
         self._ready: list[Result] = []  # finished outside a step (bad requests)
@@ -174,10 +183,13 @@ class JaxEngine(PollingEngine):
         ids = set(request_ids)
         out = [Result(r.request_id, [], [], [], "abort") for r, _ in self._queue if r.request_id in ids]
         self._queue = collections.deque((r, s) for r, s in self._queue if r.request_id not in ids)
-        for i, slot in enumerate(self._slots):
-            if slot is not None and slot.request.request_id in ids:
-                out.append(slot.result("abort"))
-                self._slots[i] = None
+        stopped = [i for i, slot in enumerate(self._slots) if slot is not None and slot.request.request_id in ids]
+        if self._parking is not None:
+            self._parking.park(self._cache, [(i, tuple(self._slots[i].request.prompt_ids) + tuple(self._slots[i].tokens))
+                                             for i in stopped])
+        for i in stopped:
+            out.append(self._slots[i].result("abort"))
+            self._slots[i] = None
         self._stats["aborted"] += len(out)
         return out
 
@@ -197,18 +209,16 @@ class JaxEngine(PollingEngine):
         self._state = state
         self.policy_version = int(version)
 
-    def warmup(self, modes=("greedy", "sample"), group_size: int = 1) -> None:
-        """Compile every prefill (bucket x power-of-two rows, each row its own prompt or
-        `group_size` rows per prompt) and decode program up front, so no compile lands inside a
-        rollout. Costs one compile per program."""
+    def warmup(self, modes=("greedy", "sample")) -> None:
+        """Compile every prefill (bucket x power-of-two rows x shared or not) and decode program
+        up front, so no compile lands inside a rollout. Costs one compile per program."""
         S = self.max_num_seqs
-        share = 1 << (max(group_size, 1) - 1).bit_length()
         for mode in modes:
             for bucket in self.buckets:
                 rows = 1
                 while rows <= 1 << (S - 1).bit_length():
                     z = np.zeros(rows, np.int32)
-                    for prompts in sorted({rows, max(1, rows // share)}):
+                    for prompts in sorted({rows, max(1, rows // self.prefill_share)}):
                         self._cache, *_ = self._prefill(
                             self._state, self._cache, jnp.full(rows, S, jnp.int32),
                             jnp.arange(rows, dtype=jnp.int32) % prompts, jnp.zeros((prompts, bucket), jnp.int32),
@@ -247,6 +257,9 @@ class JaxEngine(PollingEngine):
             "time_s": s["time_s"],
             "prefill_time_s": s["prefill_time_s"],
             "policy_version": self.policy_version,
+            "kv_parked": self._parking.parked if self._parking is not None else 0,
+            "kv_reused": self._parking.reused if self._parking is not None else 0,
+            "kv_evicted": self._parking.evicted if self._parking is not None else 0,
         }
 
     def now(self) -> float:
@@ -256,10 +269,27 @@ class JaxEngine(PollingEngine):
     def shutdown(self) -> None:
         self.abort_all()
         self._cache = None
+        if self._parking is not None:
+            self._parking.clear()
 
     # ---- internals ----
     def _start(self, starting: list[tuple[int, Request, int]], finished: list[Result]) -> None:
-        """Prefill new requests, grouped by bucket length; row counts padded to powers of two."""
+        """Prefill new requests, grouped by bucket length; row counts padded to powers of two.
+        Requests whose tokens are parked get their KV row back instead and go straight to decode."""
+        if self._parking is not None and len(self._parking):
+            parked, keys = [], set()
+            for item in starting:
+                key = tuple(item[1].prompt_ids)
+                if key in self._parking and key not in keys:  # identical partials: one row, the rest prefill
+                    parked.append(item)
+                    keys.add(key)
+            if parked:
+                self._cache = self._parking.restore(self._cache, [(s, tuple(r.prompt_ids)) for s, r, _ in parked])
+                for slot, request, seed in parked:
+                    self._slots[slot] = _Slot(request, seed)
+                    self._next_token[slot] = request.prompt_ids[-1]  # its KV is not in the row yet
+                restored = {slot for slot, _, _ in parked}
+                starting = [item for item in starting if item[0] not in restored]
         by_bucket = collections.defaultdict(list)
         for item in starting:
             by_bucket[next(b for b in self.buckets if b >= len(item[1].prompt_ids))].append(item)
@@ -267,7 +297,9 @@ class JaxEngine(PollingEngine):
             prompts: dict[tuple, int] = {}  # distinct prompt -> its prefill row
             for _, request, _ in items:
                 prompts.setdefault(tuple(request.prompt_ids), len(prompts))
-            rows, prefill_rows = (1 << (n - 1).bit_length() for n in (len(items), len(prompts)))
+            rows = 1 << (len(items) - 1).bit_length()
+            shared_rows = max(1, rows // self.prefill_share)
+            prefill_rows = shared_rows if len(prompts) <= shared_rows else rows
             tokens, lengths = np.zeros((prefill_rows, bucket), np.int32), np.ones(prefill_rows, np.int32)
             for prompt, r in prompts.items():
                 tokens[r, : len(prompt)], lengths[r] = prompt, len(prompt)

@@ -5,7 +5,8 @@ For scheduling experiments and APRIL's benchmark at the scale of the seed (32 x 
 
 Cost model (simulated seconds):
     decode step   t = t0 + c * busy_slots        (every busy slot gains one token)
-    prefill       p * prompt_tokens per admitted request (a resumed request re-prefills prompt + partial)
+    prefill       p * prompt_tokens per admitted request (a resumed request re-prefills prompt + partial,
+                  or costs nothing with `reuse_aborted_kv`, as the JAX engine's parked KV)
 Defaults are calibrated from the embedded JAX engine on the project's CPU machines
 (`benchmarks/engine.py`, 40M model: a decode step costs ~11 ms at batch 1 and ~70 ms at batch 64,
 i.e. 10 ms + 0.94 ms per slot; batched prefill ~1,365 tokens/s -> p = 0.73 ms/token). That
@@ -63,12 +64,14 @@ class _Running:
 
 class SimEngine(PollingEngine):
     def __init__(self, *, slots: int = 256, t0: float | None = None, c: float = 0.0, prefill_s_per_token: float = 0.00073,
-                 length_scale: float = 1.0, seed: int = 0, max_model_len: int = 1 << 20, policy_version: int = 0):
+                 length_scale: float = 1.0, seed: int = 0, max_model_len: int = 1 << 20, policy_version: int = 0,
+                 reuse_aborted_kv: bool = False):
         self.max_num_seqs = slots
         self.t0 = 0.010 + 0.00094 * slots if t0 is None else t0
         self.c, self.p = c, prefill_s_per_token
         self.length_scale, self.seed, self.max_model_len = length_scale, seed, max_model_len
         self.policy_version = policy_version
+        self.reuse_aborted_kv = reuse_aborted_kv
         self._slots: list[_Running | None] = [None] * slots
         self._queue: collections.deque[Request] = collections.deque()
         self._ready: list[Result] = []
@@ -112,9 +115,12 @@ class SimEngine(PollingEngine):
     def _admit(self, r: Request) -> _Running:
         key = r.sample_key or r.request_id
         total = draw_length(self.seed, key, self.length_scale)
-        self._clock += self.p * len(r.prompt_ids)
-        self._stats["prefill_time_s"] += self.p * len(r.prompt_ids)
-        self._stats["prefill_tokens"] += len(r.prompt_ids)
+        if self.reuse_aborted_kv and self._progress.get(key, 0) > 0:
+            self._stats["kv_reused"] += 1  # parked KV copied back: no prefill (parking capacity not modelled)
+        else:
+            self._clock += self.p * len(r.prompt_ids)
+            self._stats["prefill_time_s"] += self.p * len(r.prompt_ids)
+            self._stats["prefill_tokens"] += len(r.prompt_ids)
         remaining = max(1, total - self._progress.get(key, 0))
         return _Running(r, key, remaining, version_marks=[(0, self.policy_version)])
 
