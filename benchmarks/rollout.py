@@ -1,7 +1,7 @@
 """APRIL vs the synchronous baseline on the same engine and the same prompts.
 
     python benchmarks/rollout.py --engine sim [--steps 8] [--seed 0] [--png busy.png]
-    python benchmarks/rollout.py --engine jax [--steps 6] [--length-scale 0.004]
+    python benchmarks/rollout.py --engine jax [--steps 8] [--length-scale 0.015625] [--reuse-aborted-kv]
 
 Both modes: 32 groups x 8 samples per step, the seed's long-tailed length distribution (scaled
 for the JAX engine so it fits on CPU). Sync: over_sampling_batch_size = rollout_batch_size = 32,
@@ -110,7 +110,6 @@ def run(mode: str, args) -> dict:
             off_policy += m["rollout/off_policy_token_frac"] * m["rollout/tokens"]
             dropped += m["rollout/dropped_tokens"]
     return {"tokens_per_s": tokens / time, "off_policy_token_frac": off_policy / tokens, "dropped_tokens": dropped,
-            "prefill_time_frac": float(np.mean([m["rollout/prefill_time_frac"] for m in steps[1:]])),
             "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in steps[1:]) / tokens,
             "occupancy": float(np.mean([m["rollout/occupancy"] for m in steps[1:]])),
             "timeline": list(engine.timeline), "steps": steps}
@@ -158,8 +157,6 @@ def main():
         "sync_fraction_of_limit": round(sync["tokens_per_s"] / limit, 3),
         "april_occupancy": round(april["occupancy"], 3), "sync_occupancy": round(sync["occupancy"], 3),
         "off_policy_token_frac": round(april["off_policy_token_frac"], 3),
-        "april_prefill_time_frac": round(april["prefill_time_frac"], 3),
-        "sync_prefill_time_frac": round(sync["prefill_time_frac"], 3),
         "april_prefill_tokens_per_response_token": round(april["prefill_tokens_per_response_token"], 2),
         "sync_prefill_tokens_per_response_token": round(sync["prefill_tokens_per_response_token"], 2),
         "dropped_tokens": april["dropped_tokens"],

@@ -249,8 +249,6 @@ class April:
             "rollout/tokens_per_s": float(lengths.sum() / elapsed) if elapsed > 0 else 0.0,
             "rollout/occupancy": busy / (steps * s1["slots"]) if steps else 0.0,
             "rollout/prefill_tokens": s1["prefill_tokens"] - s0["prefill_tokens"],
-            "rollout/prefill_time_frac": (s1.get("prefill_time_s", 0.0) - s0.get("prefill_time_s", 0.0)) / elapsed
-            if elapsed > 0 else 0.0,
             "rollout/aborted": m["aborted"],
             "rollout/resumed": m["resumed"],
             "rollout/off_policy_token_frac": float(np.mean(versions < version)) if versions.size else 0.0,

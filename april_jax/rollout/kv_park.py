@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from april_jax.models.qwen3 import KVCache, Qwen3Config
@@ -37,13 +36,13 @@ def _copy_rows(dst: KVCache, dst_rows_N, src: KVCache, src_rows_N) -> KVCache:
 _copy_rows_jit = jax.jit(_copy_rows, donate_argnums=0)
 
 
-def _padded(pairs: list[tuple[int, int]], out_of_range: int) -> tuple[jax.Array, jax.Array]:
+def _padded(pairs: list[tuple[int, int]], out_of_range: int) -> tuple[np.ndarray, np.ndarray]:
     """(dst, src) index arrays padded to a power of two; padding writes to `out_of_range` (dropped)."""
     n = 1 << (len(pairs) - 1).bit_length()
     dst, src = np.full(n, out_of_range, np.int32), np.zeros(n, np.int32)
     for r, (d, s) in enumerate(pairs):
         dst[r], src[r] = d, s
-    return jnp.asarray(dst), jnp.asarray(src)
+    return dst, src
 
 
 class KVParking:

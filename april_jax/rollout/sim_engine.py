@@ -119,7 +119,6 @@ class SimEngine(PollingEngine):
             self._stats["kv_reused"] += 1  # parked KV copied back: no prefill (parking capacity not modelled)
         else:
             self._clock += self.p * len(r.prompt_ids)
-            self._stats["prefill_time_s"] += self.p * len(r.prompt_ids)
             self._stats["prefill_tokens"] += len(r.prompt_ids)
         remaining = max(1, total - self._progress.get(key, 0))
         return _Running(r, key, remaining, version_marks=[(0, self.policy_version)])
@@ -155,7 +154,6 @@ class SimEngine(PollingEngine):
                 "busy_slot_steps": s["busy_slot_steps"],
                 "occupancy": s["busy_slot_steps"] / max(s["decode_steps"] * self.max_num_seqs, 1),
                 "aborted": s["aborted"], "errors": s["errors"], "time_s": self._clock,
-                "prefill_time_s": s["prefill_time_s"],
                 "policy_version": self.policy_version}
 
     def limit_tokens_per_s(self) -> float:
