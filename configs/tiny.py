@@ -27,11 +27,12 @@ def get_config():
     c.rollout.temperature = 0.7
     c.rollout.max_num_seqs = 128
     c.rollout.max_staleness = 3
+    c.rollout.decode_steps_per_call = 2  # responses average ~8 tokens: longer calls leave slots idle
 
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
     c.optimizer.lr = 1e-3
     c.optimizer.max_grad_norm = 1.0
-    c.train.total_steps = 100
+    c.train.total_steps = 200
     c.train.micro_batch_size = 64
     c.checkpoint.every = 20
     c.eval.every = 10
