@@ -168,3 +168,16 @@ def test_server_killed_mid_rollout_recovers_and_completes(tiny, engine, prompts)
         assert got[str(i)].token_ids == full[str(i)].token_ids, i
         assert got[str(i)].finish_reason == "length"
     assert time.time() - t < 300
+
+
+def test_sleep_without_sleep_mode_is_a_no_op_said_once(engine, prompts, caplog):
+    import logging
+
+    attached = VllmEngine(urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16)
+    with caplog.at_level(logging.INFO, logger="april_jax.rollout.vllm_engine"):
+        for _ in range(3):
+            attached.sleep()
+            attached.wake_up()
+    assert sum("sleep/wake off" in r.getMessage() for r in caplog.records) == 1
+    assert len(attached.generate([Request("s", prompts[0], 4, GREEDY)])["s"].token_ids) == 4
+    attached.shutdown()

@@ -12,21 +12,23 @@ Usage (the interface every engine implements):
 
 Results are polled: `step()` runs one engine iteration (refill free slots, then
 `decode_steps_per_call` decode steps for every busy slot in one jitted call; rows stop on device
-at their stop token or length limit) and returns the requests that finished in it; `run()` iterates results until
-the engine is idle.
+at their stop token or length limit) and returns the requests that finished in it; `run()`
+iterates results until the engine is idle.
 
-KV cache: contiguous, one row of `max_model_len` positions per slot. Why not paged: JAX wants
-static shapes, so a paged cache still needs a static page table and gather-based attention;
-on CPU and at the sizes this engine serves (tens of slots, a few thousand positions) the
-contiguous cache costs less compute, no indirection, and a slot is refilled by overwriting its row.
-The price is memory reserved for `max_model_len` per slot; for long contexts at high concurrency
-use the vLLM engine, whose paged cache is the point of it.
+KV cache: contiguous, one row of `max_model_len` positions per slot (layouts in `KVCache`). Why
+not paged: JAX wants static shapes, so a paged cache still needs a static page table and
+gather-based attention; on CPU and at the sizes this engine serves (tens of slots, a few thousand
+positions) the contiguous cache costs less compute, no indirection, and a slot is refilled by
+overwriting its row. The price is memory reserved for `max_model_len` per slot; for long
+contexts at high concurrency use the vLLM engine, whose paged cache is the point of it.
 
-Prefill is per request, padded to a bucket length (powers of two up to `max_model_len`), so at
-most log2(max_model_len) prefill programs compile; decode is one jitted call (a `lax.scan` of
-steps) for the whole batch with the cache donated. Weights swapped by `update_weights` apply from the next token on; the KV
-cache of in-flight requests is kept (as vLLM does), and every token records the version that
-sampled it.
+Prefill is batched per bucket length (powers of two up to `max_model_len`) with row counts
+padded to powers of two, so the number of programs is bounded; requests with the same prompt (a
+group's samples) share one prefill row. Decode is one jitted call (a `lax.scan` of steps) for the
+whole batch with the cache donated. Weights swapped by `update_weights` apply from the next token
+on; the KV cache of in-flight requests is kept (as vLLM does), and every token records the
+version that sampled it. With `reuse_aborted_kv`, aborted rows are parked and a resume of exactly
+their tokens skips the re-prefill (`kv_park.py`).
 """
 
 from __future__ import annotations
