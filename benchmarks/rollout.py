@@ -71,7 +71,7 @@ class LengthBudgetEngine:
 
 
 def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prompt_len: int,
-                prefill_ms=None, min_prefill_batch: int = 1, reuse_aborted_kv: bool = False):
+                prefill_ms=None, min_prefill_batch: int = 1, reuse_aborted_kv: bool = False, steps_per_call: int = 8):
     if kind == "sim":
         extra = {} if prefill_ms is None else {"prefill_s_per_token": prefill_ms / 1000}
         return SimEngine(slots=slots, seed=seed, length_scale=length_scale, reuse_aborted_kv=reuse_aborted_kv, **extra)
@@ -83,7 +83,7 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
 
     engine = JaxEngine(qwen3.init_model(cfg, seed=seed), max_num_seqs=slots, max_model_len=prompt_len + max_response_len + 1,
                        seed=seed, min_prefill_batch=min_prefill_batch, reuse_aborted_kv=reuse_aborted_kv,
-                       samples_per_prompt=8)
+                       samples_per_prompt=8, decode_steps_per_call=steps_per_call)
     engine.warmup(modes=("sample",))
     return LengthBudgetEngine(engine, seed, length_scale)
 
@@ -94,7 +94,8 @@ def run(mode: str, args) -> dict:
                         over_sampling_batch_size=32 if sync else 64, partial_rollout=not sync,
                         max_response_len=args.max_response_len, temperature=1.0)
     engine = make_engine(args.engine, args.seed, args.slots, args.length_scale, args.max_response_len,
-                         args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch, args.reuse_aborted_kv)
+                         args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch, args.reuse_aborted_kv,
+                         args.decode_steps_per_call)
     april = April(cfg, prompts(args.seed, args.prompt_len))
     tokens = time = off_policy = 0.0
     delivered_tokens, dropped = 0, 0
@@ -130,6 +131,7 @@ def main():
     parser.add_argument("--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free")
     parser.add_argument("--reuse-aborted-kv", action="store_true",
                         help="resumed requests take their parked KV instead of a re-prefill")
+    parser.add_argument("--decode-steps-per-call", type=int, default=8, help="jax only")
     parser.add_argument("--png", default=None, help="write busy slots over time for both modes")
     args = parser.parse_args()
     if args.slots is None:
@@ -149,7 +151,7 @@ def main():
         "benchmark": "rollout", "engine": args.engine, "steps": args.steps, "seed": args.seed, "slots": args.slots,
         "length_scale": args.length_scale, "max_response_len": args.max_response_len, "prompt_len": args.prompt_len,
         "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
-        "reuse_aborted_kv": args.reuse_aborted_kv,
+        "reuse_aborted_kv": args.reuse_aborted_kv, "decode_steps_per_call": args.decode_steps_per_call,
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
         "speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
         "limit_tokens_per_s": round(limit, 1),
@@ -171,7 +173,8 @@ def measure_jax_limit(args) -> float:
     """Tokens/s of the JAX engine with every slot busy: long greedy requests, no stops."""
     from april_jax.rollout.types import Request, SamplingParams
 
-    engine = make_engine("jax", args.seed, args.slots, 1.0, args.max_response_len, args.prompt_len).engine
+    engine = make_engine("jax", args.seed, args.slots, 1.0, args.max_response_len, args.prompt_len,
+                         steps_per_call=args.decode_steps_per_call).engine
     n = args.max_response_len
     reqs = lambda tag: [Request(f"{tag}{i}", list(range(1, args.prompt_len + 1)), n, SamplingParams(1.0, seed=i)) for i in range(args.slots)]
     engine.generate(reqs("warm"))
@@ -193,6 +196,7 @@ def plot(sync_tl, april_tl, args):
     fig, ax = plt.subplots(figsize=(9, 3.5))
     for label, tl in (("sync", sync_tl), ("APRIL", april_tl)):
         t, busy = zip(*tl)
+        t = np.asarray(t) - t[0]  # from the first decode step: engine clocks also count warm-up
         ax.step(t, busy, where="pre", label=label, lw=0.8)
     ax.set_xlabel("engine time (s)" + (" (simulated)" if args.engine == "sim" else ""))
     ax.set_ylabel("busy slots")
