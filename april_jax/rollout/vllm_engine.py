@@ -351,7 +351,7 @@ class VllmEngine(PollingEngine):
             for url in self.urls:
                 self._post(url, "/collective_rpc", {"method": method, "args": [arg]})
                 self._post(url, "/reset_prefix_cache", {})
-            if self.weight_transport == "file" and self._last_sync is not None:
+            if self.weight_transport == "file" and self._last_sync is not None and self._last_sync[1] != arg:
                 Path(self._last_sync[1]).unlink(missing_ok=True)  # the latest file stays for a restarted server
             self._last_sync = (method, arg)
         self.policy_version = int(version)
