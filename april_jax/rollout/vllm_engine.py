@@ -158,6 +158,7 @@ class VllmEngine(PollingEngine):
         self._next_server = 0
         self._stats = collections.Counter()
         self._t0 = time.perf_counter()
+        self._last_poll, self._last_busy = self._t0, 0
         self._said_no_sleep = False
 
     # ---- HTTP ----
@@ -180,7 +181,9 @@ class VllmEngine(PollingEngine):
             state = {"request": r, "url": url, "engine_id": None, "tokens": [], "logprobs": [], "versions": []}
             with self._lock:
                 self._live[r.request_id] = state
+            self._stats["prefill_tokens"] += len(r.prompt_ids)  # asked for; the server's prefix cache may skip some
             self._launch(state)
+        self._sample_occupancy()
 
     def _launch(self, state: dict) -> None:
         state["thread"] = threading.Thread(target=self._stream, args=(state,), daemon=True)
@@ -278,6 +281,7 @@ class VllmEngine(PollingEngine):
             self._launch(st)
 
     def step(self, timeout: float = 0.05) -> list[Result]:
+        self._sample_occupancy()
         if self._lost:
             self._recover()
         out = []
@@ -360,12 +364,27 @@ class VllmEngine(PollingEngine):
         with self._lock:
             return bool(self._live) or not self._done.empty()
 
+    def _sample_occupancy(self) -> None:
+        """Occupancy from the client's side: requests in flight, capped at the servers' slots (the
+        server's own queue is not busy slots), time-weighted between samples (taken at submit,
+        abort and every poll). For this engine "decode_steps" / "busy_slot_steps" are seconds and
+        slot-seconds."""
+        now = time.perf_counter()
+        self._stats["decode_steps"] += now - self._last_poll
+        self._stats["busy_slot_steps"] += self._last_busy * (now - self._last_poll)
+        self._last_poll = now
+        with self._lock:
+            self._last_busy = min(len(self._live), self.max_num_seqs * len(self.urls))
+
     def stats(self) -> dict:
         with self._lock:
             busy = len(self._live)
         s = self._stats
-        return {"slots": self.max_num_seqs, "busy_slots": busy, "queued": 0, "tokens_generated": s["tokens_generated"],
-                "prefill_tokens": 0, "decode_steps": 0, "busy_slot_steps": 0, "occupancy": 0.0,
+        slots = self.max_num_seqs * len(self.urls)
+        return {"slots": slots, "busy_slots": busy, "queued": max(busy - slots, 0),
+                "tokens_generated": s["tokens_generated"], "prefill_tokens": s["prefill_tokens"],
+                "decode_steps": s["decode_steps"], "busy_slot_steps": s["busy_slot_steps"],
+                "occupancy": s["busy_slot_steps"] / (s["decode_steps"] * slots) if s["decode_steps"] else 0.0,
                 "aborted": s["aborted"], "errors": s["errors"], "restarts": s["restarts"],
                 "resumed_after_failure": s["resumed_after_failure"], "time_s": self.now(),
                 "policy_version": self.policy_version}
