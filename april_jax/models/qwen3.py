@@ -206,7 +206,9 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), cfg.param_dtype), logical_axes=axes[:1]) if bias else None
 
     def __call__(self, x):
-        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        # Flattened to [tokens, in]: XLA's CPU backward of the batched-dims einsum was ~1.5x slower.
+        x_NI = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+        y = jnp.einsum("ni,oi->no", x_NI, self.weight[...].astype(self.dtype)).reshape(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
