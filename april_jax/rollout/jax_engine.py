@@ -261,9 +261,7 @@ class JaxEngine(PollingEngine):
             "errors": s["errors"],
             "time_s": s["time_s"],
             "policy_version": self.policy_version,
-            "kv_parked": self._parking.parked if self._parking is not None else 0,
-            "kv_reused": self._parking.reused if self._parking is not None else 0,
-            "kv_evicted": self._parking.evicted if self._parking is not None else 0,
+            **{f"kv_{name}": getattr(self._parking, name, 0) for name in ("parked", "reused", "evicted")},
         }
 
     def now(self) -> float:
@@ -317,13 +315,18 @@ class JaxEngine(PollingEngine):
                 temp[r], top_p[r], top_k[r] = sp.temperature, sp.top_p, sp.top_k
             # Host arrays go to the jitted call as numpy: its C++ path transfers them ~5x faster
             # than jnp.asarray (which costs ~15 us an array, 17 arrays a step).
-            next_token = self._next_token_dev if self._next_token_dev is not None else self._next_token.copy()
+            next_token = self._next_tokens()
             self._cache, first, logprobs, self._next_token_dev = self._prefill(
                 self._state, self._cache, next_token, slots, source, tokens, lengths, temp, top_p, top_k, seeds,
                 mode=sampling.batch_mode(temp, top_p, top_k))
             for slot, request, seed in items:
                 self._slots[slot] = _Slot(request, seed, first_pending=True)
             self._pending.append((items, first, logprobs))
+
+    def _next_tokens(self):
+        """The decode input: the device copy holding this step's first tokens, else the host array
+        (copied: the host keeps writing it while the call may still read it)."""
+        return self._next_token_dev if self._next_token_dev is not None else self._next_token.copy()
 
     def _read_first_tokens(self, finished: list[Result]) -> None:
         """Record the first tokens of this step's prefills (read back after the decode call is queued)."""
@@ -356,7 +359,7 @@ class JaxEngine(PollingEngine):
         room = int((limits - steps)[busy].max())
         num_steps = max(n for n in self._num_steps_choices() if n <= max(room, 1))
         t0 = self.now()
-        next_token = self._next_token_dev if self._next_token_dev is not None else self._next_token.copy()
+        next_token = self._next_tokens()
         self._next_token_dev = None
         self._cache, tokens, logprobs, was_active = self._decode(
             self._state, self._cache, next_token, active, temp, top_p, top_k, seeds, steps, limits, stop_ids,
