@@ -4,8 +4,10 @@
 
 The peak is measured in the same run with a large jnp.dot (fp32), so machine noise affects both.
 FLOPs per step: the recompute of pi_old (forward, 2N per token) plus forward+backward of the
-update (6N per token), N = parameters including the lm_head, plus attention (12 L T^2 H D per
-sequence for fwd+bwd, 4 L T^2 H D for the extra forward).
+update (6N per token), N = parameters including the lm_head, plus causal attention: the score and
+value products over the T^2 / 2 query-key pairs at or below the diagonal (6 L T^2 H D per sequence
+for fwd+bwd, 2 L T^2 H D for the extra forward), the work a causal kernel has to do. (Until the
+attention skipped masked blocks this counted all T^2 pairs, twice that attention figure.)
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def main():
     peak = matmul_peak_flops()
     T = S - 1
     L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
-    flops = 8 * cfg.num_params * B * T + 16 * L * T * T * H * D * B
+    flops = 8 * cfg.num_params * B * T + 8 * L * T * T * H * D * B
     print(json.dumps({
         "benchmark": "train_step", "backend": jax.default_backend(), "devices": jax.device_count(),
         "params_m": round(cfg.num_params / 1e6, 1), "batch": B, "seq": S, "micro_batch": args.micro,

@@ -164,3 +164,16 @@ def test_missing_weights_file(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         qwen3.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("T", [200, 512])
+def test_long_sequence_block_causal_attention_matches_transformers(tmp_path, T):
+    """At T >= 128 the cache-free forward skips masked query blocks (uneven blocks at T=200)."""
+    ref = save_tiny(tmp_path, "qwen3", num_attention_heads=8, num_key_value_heads=2)
+    model = qwen3.from_pretrained(tmp_path)
+    ids = np.random.RandomState(1).randint(0, 160, size=(2, T))
+    assert min(qwen3.CAUSAL_BLOCKS_MAX, T // qwen3.CAUSAL_BLOCK_MIN) > 1
+    blocked = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    dense = np.asarray(model(jnp.asarray(ids, jnp.int32), jnp.broadcast_to(jnp.arange(T), (2, T))))
+    assert np.abs(blocked - hf_logits(ref, ids)).max() <= 1e-4
+    assert np.abs(blocked - dense).max() <= 1e-5

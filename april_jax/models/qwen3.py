@@ -261,6 +261,34 @@ def _decode_attention(q_B1KGD, keys_BKDS, values_BKSD, valid_BS, dtype):
     return out_BKGD[:, None].astype(dtype)
 
 
+def _dense_attention(q_BKGTD, keys_BKDS, values_BKSD, mask_BTS, dtype):
+    """Queries against every key, masked. Heads-major layouts make both products plain batched
+    matmuls: 1.5-1.9x faster on CPU than contracting the [B, T, K, G, D] layout directly."""
+    D = q_BKGTD.shape[-1]
+    scores_BKGTS = jnp.einsum("bkgtd,bkds->bkgts", q_BKGTD, keys_BKDS.astype(q_BKGTD.dtype),
+                              preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(dtype)
+    return jnp.einsum("bkgts,bksd->bkgtd", probs_BKGTS, values_BKSD.astype(dtype))
+
+
+def _block_causal_attention(q_BKGTD, keys_BKDS, values_BKSD, mask_BTS, dtype, num_blocks: int):
+    """Causal self-attention by query blocks, each against the keys up to its end: the blocks above
+    the diagonal, all masked, are skipped. Exact (a masked score's weight is 0 either way); needs
+    key index <= query index for every unmasked pair, true when positions are 0..T-1 per row.
+    Training at T = 512 on CPU: attention fwd+bwd 239 -> 114 ms a layer with 8 blocks."""
+    T = q_BKGTD.shape[3]
+    edges = [T * i // num_blocks for i in range(num_blocks + 1)]
+    outs = [_dense_attention(q_BKGTD[:, :, :, lo:hi], keys_BKDS[..., :hi], values_BKSD[:, :, :hi],
+                             mask_BTS[:, lo:hi, :hi], dtype) for lo, hi in zip(edges[:-1], edges[1:])]
+    return jnp.concatenate(outs, axis=3)
+
+
+# Query blocks of at least this many tokens (fewer blocks mean less skipped; more mean more ops).
+CAUSAL_BLOCK_MIN = 64
+CAUSAL_BLOCKS_MAX = 8
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
         M, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -272,7 +300,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(D, cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg) if cfg.qk_norm else None
 
-    def __call__(self, x_BTM, positions_BT, cache_kv=None, cache_start_B=None):
+    def __call__(self, x_BTM, positions_BT, cache_kv=None, cache_start_B=None, positions_are_index=False):
         cfg = self.cfg
         B, T, _ = x_BTM.shape
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -297,14 +325,12 @@ class Attention(nnx.Module):
         if T == 1 and cache_kv is not None:
             out_BTKGD = _decode_attention(q_BTKGD, keys_BKDS, values_BKSD, causal_BTS[:, 0], cfg.dtype)
         else:
-            # Heads-major layouts make both products plain batched matmuls: 1.5-1.9x faster on CPU
-            # than contracting the [B, T, K, G, D] layout directly.
             q_BKGTD = jnp.transpose(q_BTKGD, (0, 2, 3, 1, 4))
-            scores_BKGTS = jnp.einsum("bkgtd,bkds->bkgts", q_BKGTD, keys_BKDS.astype(q_BKGTD.dtype),
-                                      preferred_element_type=jnp.float32) * (D ** -0.5)
-            scores_BKGTS = jnp.where(causal_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
-            probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(cfg.dtype)
-            out_BKGTD = jnp.einsum("bkgts,bksd->bkgtd", probs_BKGTS, values_BKSD.astype(cfg.dtype))
+            num_blocks = min(CAUSAL_BLOCKS_MAX, T // CAUSAL_BLOCK_MIN)
+            if cache_kv is None and positions_are_index and num_blocks > 1:
+                out_BKGTD = _block_causal_attention(q_BKGTD, keys_BKDS, values_BKSD, causal_BTS, cfg.dtype, num_blocks)
+            else:
+                out_BKGTD = _dense_attention(q_BKGTD, keys_BKDS, values_BKSD, causal_BTS, cfg.dtype)
             out_BTKGD = jnp.transpose(out_BKGTD, (0, 3, 1, 2, 4))
         return self.o_proj(out_BTKGD.reshape(B, T, H * D)), new_kv
 
@@ -327,8 +353,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BTM, positions_BT, cache_kv=None, cache_start_B=None):
-        attn_BTM, new_kv = self.self_attn(self.input_layernorm(x_BTM), positions_BT, cache_kv, cache_start_B)
+    def __call__(self, x_BTM, positions_BT, cache_kv=None, cache_start_B=None, positions_are_index=False):
+        attn_BTM, new_kv = self.self_attn(self.input_layernorm(x_BTM), positions_BT, cache_kv, cache_start_B,
+                                          positions_are_index)
         x_BTM = x_BTM + attn_BTM
         return x_BTM + self.mlp(self.post_attention_layernorm(x_BTM)), new_kv
 
@@ -369,6 +396,7 @@ class Qwen3(nnx.Module):
         are `lengths_B + num_new_B` (default T), so right-padded prefills keep only real tokens.
         """
         B, T = tokens_BT.shape
+        positions_are_index = positions_BT is None and cache is None  # lets attention skip masked blocks
         if positions_BT is None:
             start_B = cache.lengths_B if cache is not None else jnp.zeros((B,), jnp.int32)
             positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -376,7 +404,8 @@ class Qwen3(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x_BTM, new_kv = layer(x_BTM, positions_BT, kv, None if cache is None else cache.lengths_B)
+            x_BTM, new_kv = layer(x_BTM, positions_BT, kv, None if cache is None else cache.lengths_B,
+                                  positions_are_index)
             x_BTM = self._constrain_batch(x_BTM)
             if new_kv is not None:
                 new_k.append(new_kv[0])

@@ -64,6 +64,40 @@ class _Slot:
         return Result(self.request.request_id, list(self.tokens), list(self.logprobs), list(self.versions), reason)
 
 
+class _RowParams:
+    """Per-slot decode inputs kept as host arrays, written when a slot starts and cleared when it
+    ends, so a decode call does not rebuild them slot by slot. Free slots hold greedy defaults."""
+
+    def __init__(self, num_slots: int):
+        self.active = np.zeros(num_slots, bool)
+        self.temperature = np.zeros(num_slots, np.float32)
+        self.top_p = np.ones(num_slots, np.float32)
+        self.top_k = np.zeros(num_slots, np.int32)
+        self.seeds = np.zeros(num_slots, np.int32)
+        self.steps = np.zeros(num_slots, np.int32)  # tokens so far, the pending first token included
+        self.limits = np.zeros(num_slots, np.int32)
+        self.stop_ids = np.full((num_slots, 4), -1, np.int32)  # width: a power of two, grows on demand
+
+    def start(self, i: int, request: Request, seed: int, steps: int, max_model_len: int) -> None:
+        p, stops = request.sampling, request.stop_token_ids
+        if len(stops) > self.stop_ids.shape[1]:
+            wider = np.full((len(self.active), 1 << (len(stops) - 1).bit_length()), -1, np.int32)
+            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
+            self.stop_ids = wider
+        self.active[i] = True
+        self.temperature[i], self.top_p[i], self.top_k[i], self.seeds[i] = p.temperature, p.top_p, p.top_k, seed
+        self.steps[i] = steps
+        self.limits[i] = min(request.max_new_tokens, max_model_len - len(request.prompt_ids))
+        self.stop_ids[i] = -1
+        self.stop_ids[i, : len(stops)] = stops
+
+    def clear(self, i: int) -> None:
+        self.active[i] = False
+        self.temperature[i], self.top_p[i], self.top_k[i], self.seeds[i] = 0.0, 1.0, 0, 0
+        self.steps[i] = self.limits[i] = 0
+        self.stop_ids[i] = -1
+
+
 def _prefill(graphdef, state, cache: KVCache, next_token_S, slots_M, source_M, tokens_NT, lengths_N, temperature_M,
              top_p_M, top_k_M, seeds_M, *, mode):
     """Prefill N distinct prompts once and start M requests from them: request m takes prompt
@@ -149,6 +183,7 @@ class JaxEngine(PollingEngine):
         self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache.v[0].dtype) \
             if reuse_aborted_kv else None
         self._slots: list[_Slot | None] = [None] * max_num_seqs
+        self._rows = _RowParams(max_num_seqs)
         self._queue: collections.deque[tuple[Request, int]] = collections.deque()
         self._ready: list[Result] = []  # finished outside a step (bad requests)
         self._seeds = np.random.default_rng(seed)
@@ -194,7 +229,7 @@ class JaxEngine(PollingEngine):
                                              for i in stopped])
         for i in stopped:
             out.append(self._slots[i].result("abort"))
-            self._slots[i] = None
+            self._end(i)
         self._stats["aborted"] += len(out)
         return out
 
@@ -289,6 +324,7 @@ class JaxEngine(PollingEngine):
                 self._cache = self._parking.restore(self._cache, [(s, tuple(r.prompt_ids)) for s, r, _ in parked])
                 for slot, request, seed in parked:
                     self._slots[slot] = _Slot(request, seed)
+                    self._rows.start(slot, request, seed, 0, self.max_model_len)
                     self._next_token[slot] = request.prompt_ids[-1]  # its KV is not in the row yet
                 restored = {slot for slot, _, _ in parked}
                 starting = [item for item in starting if item[0] not in restored]
@@ -321,6 +357,7 @@ class JaxEngine(PollingEngine):
                 mode=sampling.batch_mode(temp, top_p, top_k))
             for slot, request, seed in items:
                 self._slots[slot] = _Slot(request, seed, first_pending=True)
+                self._rows.start(slot, request, seed, 1, self.max_model_len)
             self._pending.append((items, first, logprobs))
 
     def _next_tokens(self):
@@ -341,30 +378,19 @@ class JaxEngine(PollingEngine):
         return [1 << i for i in range(self.decode_steps_per_call.bit_length()) if 1 << i <= self.decode_steps_per_call]
 
     def _decode_step(self, busy: list[int], finished: list[Result]) -> None:
-        S = self.max_num_seqs
-        active = np.zeros(S, bool)
-        active[busy] = True
-        temp, top_p, top_k = np.zeros(S, np.float32), np.ones(S, np.float32), np.zeros(S, np.int32)
-        seeds, steps, limits = np.zeros(S, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
-        num_stop = max(len(self._slots[i].request.stop_token_ids) for i in busy)
-        stop_ids = np.full((S, max(4, 1 << (num_stop - 1).bit_length())), -1, np.int32)
-        for i in busy:
-            slot = self._slots[i]
-            request, p = slot.request, slot.request.sampling
-            temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-            seeds[i], steps[i] = slot.seed, len(slot.tokens) + slot.first_pending
-            limits[i] = min(request.max_new_tokens, self.max_model_len - len(request.prompt_ids))
-            stop_ids[i, : len(request.stop_token_ids)] = list(request.stop_token_ids)
+        rows = self._rows
         # No more steps than the longest remaining request can use (a power of two bounds compiles).
-        room = int((limits - steps)[busy].max())
+        room = int((rows.limits - rows.steps)[busy].max())
         num_steps = max(n for n in self._num_steps_choices() if n <= max(room, 1))
         t0 = self.now()
         next_token = self._next_tokens()
         self._next_token_dev = None
+        # Copies: the host goes on writing these arrays while the call may still read them.
+        args = [x.copy() for x in (rows.active, rows.temperature, rows.top_p, rows.top_k, rows.seeds, rows.steps,
+                                   rows.limits, rows.stop_ids)]
         self._cache, tokens, logprobs, was_active = self._decode(
-            self._state, self._cache, next_token, active, temp, top_p, top_k, seeds, steps, limits, stop_ids,
-            mode=sampling.batch_mode(temp, top_p, top_k),
-            num_steps=num_steps)
+            self._state, self._cache, next_token, *args,
+            mode=sampling.batch_mode(rows.temperature, rows.top_p, rows.top_k), num_steps=num_steps)
         self._read_first_tokens(finished)  # a first token may end its request: its decode rows are dropped
         tokens, logprobs, was_active = np.asarray(tokens), np.asarray(logprobs), np.asarray(was_active)
         busy_per_step = was_active.sum(axis=1)
@@ -390,6 +416,7 @@ class JaxEngine(PollingEngine):
         slot.versions.extend([self.policy_version] * len(tokens))
         token = tokens[-1]
         self._next_token[i] = token
+        self._rows.steps[i] = len(slot.tokens)
         self._stats["tokens_generated"] += len(tokens)
         request = slot.request
         if token in request.stop_token_ids:
@@ -399,4 +426,8 @@ class JaxEngine(PollingEngine):
         else:
             return
         finished.append(slot.result(reason))
+        self._end(i)
+
+    def _end(self, i: int) -> None:
         self._slots[i] = None
+        self._rows.clear(i)
