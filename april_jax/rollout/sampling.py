@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 
 
-def scaled_logprobs(logits_BV, temperature_B):
+def _scaled(logits_BV, temperature_B):
+    """(logits / temperature, its logsumexp); greedy rows keep the unscaled logits."""
     t_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
-    return jax.nn.log_softmax(logits_BV.astype(jnp.float32) / t_B[:, None], axis=-1)
+    scaled_BV = logits_BV.astype(jnp.float32) / t_B[:, None]
+    return scaled_BV, jax.nn.logsumexp(scaled_BV, axis=-1)
 
 
 def _truncate(logp_BV, top_p_B, top_k_B):
@@ -38,16 +40,21 @@ def sample(logits_BV, keys_B, temperature_B, top_p_B, top_k_B, *, mode: str):
     `mode` (static) is the cheapest program that serves the batch: "greedy" (no randomness),
     "sample" (full distribution) or "truncate" (some row uses top-k / top-p).
     """
-    logp_BV = scaled_logprobs(logits_BV, temperature_B)
+    # No [B, V] log-softmax is materialised: the logprob of one token is its scaled logit - lse.
+    scaled_BV, lse_B = _scaled(logits_BV, temperature_B)
     tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     if mode != "greedy":
-        draw_BV = _truncate(logp_BV, top_p_B, top_k_B) if mode == "truncate" else logp_BV
+        if mode == "truncate":
+            draw_BV = _truncate(scaled_BV - lse_B[:, None], top_p_B, top_k_B)
+            weights_BV = jnp.exp(draw_BV - jnp.max(draw_BV, axis=-1, keepdims=True))
+        else:
+            weights_BV = jnp.exp(scaled_BV - lse_B[:, None])
         # Inverse-CDF draw: one uniform per row instead of a Gumbel per vocabulary entry.
-        cdf_BV = jnp.cumsum(jnp.exp(draw_BV - jnp.max(draw_BV, axis=-1, keepdims=True)), axis=-1)
+        cdf_BV = jnp.cumsum(weights_BV, axis=-1)
         u_B = jax.vmap(lambda k: jax.random.uniform(k))(keys_B) * cdf_BV[:, -1]
         drawn_B = jnp.minimum(jnp.sum(cdf_BV <= u_B[:, None], axis=-1), logits_BV.shape[-1] - 1)
         tokens_B = jnp.where(temperature_B > 0, drawn_B.astype(jnp.int32), tokens_B)
-    return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0] - lse_B
 
 
 def batch_mode(temperature, top_p, top_k) -> str:
