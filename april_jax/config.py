@@ -67,6 +67,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.vllm_sleep_mode = False  # vllm colocated on the trainer's GPU: sleep while training
     c.rollout.decode_steps_per_call = 8  # jax engine: decode steps per jitted call
     c.rollout.reuse_aborted_kv = False  # jax engine: resume partials from their parked KV (no re-prefill)
+    c.rollout.free_kv_cache_in_train = True  # jax engine: free its KV cache during train steps (verl's free_cache_engine)
 
     c.loss = ml_collections.ConfigDict(dict(LossConfig().__dict__))
     c.loss.clip_c = 0.0  # dual-clip constant for negative advantages (e.g. 3.0); 0: off

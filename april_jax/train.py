@@ -112,7 +112,8 @@ def build_engine(c, model, max_model_len: int, version: int):
 
         return JaxEngine(model, max_num_seqs=c.rollout.max_num_seqs, max_model_len=max_model_len, seed=c.seed,
                          policy_version=version, decode_steps_per_call=c.rollout.decode_steps_per_call,
-                         reuse_aborted_kv=c.rollout.reuse_aborted_kv, samples_per_prompt=c.rollout.n_samples_per_prompt)
+                         reuse_aborted_kv=c.rollout.reuse_aborted_kv, samples_per_prompt=c.rollout.n_samples_per_prompt,
+                         free_kv_in_sleep=c.rollout.free_kv_cache_in_train)
     if c.rollout.engine == "sim":
         from april_jax.rollout.sim_engine import SimEngine
 

@@ -249,3 +249,30 @@ def test_reused_aborted_kv_resumes_exactly_like_an_uninterrupted_run(tiny, promp
     engine.abort_all()
     assert engine.generate([Request("y", prompts[0], 8, GREEDY)])["y"].token_ids == out["0"].token_ids[:8]
     assert engine.stats()["kv_reused"] == SLOTS
+
+
+def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny, prompts, greedy_outputs):
+    _, model = tiny
+    out, _ = greedy_outputs
+    engine = engine_for(model, reuse_aborted_kv=True, decode_steps_per_call=2)
+    engine.submit([Request(str(i), prompts[i], 32, GREEDY) for i in range(SLOTS)])
+    engine.step()
+    with pytest.raises(RuntimeError, match="requests still in flight"):
+        engine.sleep()
+    engine.step()
+    partial = {r.request_id: r for r in engine.abort_all()}
+    cache = engine._cache
+    engine.sleep()  # between rollouts, as the trainer steps
+    assert engine.stats()["kv_cache_bytes"] == 0 and all(x.is_deleted() for x in jax.tree.leaves(cache))
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.step()
+    engine.wake_up()
+    assert engine.stats()["kv_cache_bytes"] == sum(x.nbytes for x in jax.tree.leaves(cache))
+    resumed = engine.generate([Request(rid, prompts[int(rid)] + r.token_ids, 32 - len(r.token_ids), GREEDY)
+                               for rid, r in partial.items()])
+    assert engine.stats()["kv_reused"] == SLOTS  # the parked rows came back from host memory
+    for rid, r in partial.items():
+        assert r.token_ids + resumed[rid].token_ids == out[rid].token_ids
+    kept = engine_for(model, free_kv_in_sleep=False)
+    kept.sleep()
+    assert kept.stats()["kv_cache_bytes"] > 0  # off: sleep keeps the cache

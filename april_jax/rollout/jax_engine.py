@@ -157,7 +157,7 @@ def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
 class JaxEngine(PollingEngine):
     def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
                  policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8,
-                 reuse_aborted_kv: bool = False, samples_per_prompt: int = 1):
+                 reuse_aborted_kv: bool = False, samples_per_prompt: int = 1, free_kv_in_sleep: bool = True):
         if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
             raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
                              f"decode_steps_per_call={decode_steps_per_call} must be positive")
@@ -178,6 +178,10 @@ class JaxEngine(PollingEngine):
         self.buckets = prefill_buckets(max_model_len)
         self.policy_version = policy_version
         self._cache = KVCache.zeros(self.cfg, max_num_seqs, max_model_len, cache_dtype)
+        self._cache_dtype = self._cache.v[0].dtype
+        # `sleep` frees the KV cache while the trainer steps (verl's free_cache_engine); off keeps it.
+        self.free_kv_in_sleep = free_kv_in_sleep
+        self._asleep = False
         # Opt-in: aborted rows wait in a side cache and a resume of exactly their tokens skips the
         # re-prefill (see kv_park.py for what that trades).
         self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache.v[0].dtype) \
@@ -206,6 +210,8 @@ class JaxEngine(PollingEngine):
 
     def step(self) -> list[Result]:
         """Refill free slots, run one decode step; the results that finished in it."""
+        if self._asleep:
+            raise RuntimeError("JaxEngine.step while asleep: call wake_up() first")
         t = time.perf_counter()
         finished, self._ready = self._ready, []
         free = [i for i, s in enumerate(self._slots) if s is None]
@@ -273,6 +279,28 @@ class JaxEngine(PollingEngine):
                     num_steps=num_steps)
         self._cache = self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32))
 
+    def sleep(self) -> None:
+        """Before a train step: free the KV cache (its memory goes to the trainer); parked rows move
+        to host memory. The engine must be idle (APRIL aborts everything at the end of a rollout)."""
+        if not self.free_kv_in_sleep or self._asleep or self._cache is None:
+            return
+        if self.num_unfinished():
+            raise RuntimeError(f"JaxEngine.sleep: {self.num_unfinished()} requests still in flight; abort them first")
+        for x in jax.tree.leaves(self._cache):
+            x.delete()
+        self._cache, self._next_token_dev, self._asleep = None, None, True
+        if self._parking is not None:
+            self._parking.offload()
+
+    def wake_up(self) -> None:
+        """After the train step: a fresh KV cache (same shape, so nothing recompiles), parked rows back."""
+        if not self._asleep:
+            return
+        self._cache = KVCache.zeros(self.cfg, self.max_num_seqs, self.max_model_len, self._cache_dtype)
+        if self._parking is not None:
+            self._parking.reload()
+        self._asleep = False
+
     def has_unfinished(self) -> bool:
         return bool(self._queue or self._ready or any(s is not None for s in self._slots))
 
@@ -296,6 +324,7 @@ class JaxEngine(PollingEngine):
             "errors": s["errors"],
             "time_s": s["time_s"],
             "policy_version": self.policy_version,
+            "kv_cache_bytes": 0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
             **{f"kv_{name}": getattr(self._parking, name, 0) for name in ("parked", "reused", "evicted")},
         }
 

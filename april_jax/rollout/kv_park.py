@@ -91,6 +91,18 @@ class KVParking:
         dst, src = _padded(pairs, cache.lengths_B.shape[0])
         return _copy_rows_jit(cache, dst, self._cache, src)
 
+    def offload(self) -> None:
+        """Parked rows to host memory (the engine sleeps while the trainer steps)."""
+        if self._cache is not None:
+            host = jax.tree.map(np.array, self._cache)  # a copy: a CPU device_get may alias the buffer
+            for x in jax.tree.leaves(self._cache):
+                x.delete()
+            self._cache = host
+
+    def reload(self) -> None:
+        if self._cache is not None:
+            self._cache = jax.device_put(self._cache)
+
     def clear(self) -> None:
         self._rows.clear()
         self._free = list(range(self.capacity))
