@@ -18,7 +18,12 @@ Weights: `update_weights` writes HF-named tensors into a shared-memory safetenso
 (`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) and asks the worker
 extension (`vllm_ext.WeightUpdateExt`) to reload from it, then resets the prefix cache. That works
 when trainer and server share a host; across hosts, pass `shared_dir` on a shared filesystem.
-Sleep mode / torch_memory_saver are GPU features; on CPU they are skipped (logged once).
+GPU memory when colocated with the trainer: `sleep_mode` starts the server with
+`--enable-sleep-mode` and sleeps it (level 1: weights to host, KV cache dropped) around every train
+step; off, `sleep`/`wake_up` are no-ops said once in the log (CPU servers have no sleep mode).
+torch_memory_saver (in the `vllm` extra) is the same pause/resume of CUDA memory as SGLang uses
+it; vLLM does this through its own CuMem allocator behind sleep mode, so the engine has no
+separate call for it.
 """
 
 from __future__ import annotations
