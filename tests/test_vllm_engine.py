@@ -155,10 +155,21 @@ def test_server_killed_mid_rollout_recovers_and_completes(tiny, engine, prompts)
     n = 480  # long enough to still be running when the server dies
     full = JaxEngine(model, max_num_seqs=4, max_model_len=512).generate(
         [Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
-    engine.submit([Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
-    while sum(len(st["tokens"]) for st in list(engine._live.values())) < 30:  # mid-rollout, tokens flowing
-        time.sleep(0.01)
     old_pid = engine.servers[0].proc.pid
+    for attempt in range(3):
+        engine.submit([Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
+        while sum(len(st["tokens"]) for st in list(engine._live.values())) < 30:  # tokens flowing
+            time.sleep(0.01)
+        # Freeze the server, then check the requests really are mid-flight: on a loaded 2-core
+        # machine this thread can lose the CPU long enough for a fast server to finish them all.
+        os.killpg(old_pid, signal.SIGSTOP)
+        time.sleep(1.0)  # the client threads read what the server had already sent
+        if engine._live:
+            break
+        os.killpg(old_pid, signal.SIGCONT)
+        list(engine.run())
+    else:
+        pytest.fail("the server finished every request before it could be stopped, three times")
     os.killpg(old_pid, signal.SIGKILL)
     t = time.time()
     got = {r.request_id: r for r in engine.run()}
