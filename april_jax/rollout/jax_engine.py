@@ -58,7 +58,6 @@ class _Slot:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
-    first_pending: bool = False  # first token sampled on device, not yet read back
 
     def result(self, reason: str) -> Result:
         return Result(self.request.request_id, list(self.tokens), list(self.logprobs), list(self.versions), reason)
@@ -385,7 +384,7 @@ class JaxEngine(PollingEngine):
                 self._state, self._cache, next_token, slots, source, tokens, lengths, temp, top_p, top_k, seeds,
                 mode=sampling.batch_mode(temp, top_p, top_k))
             for slot, request, seed in items:
-                self._slots[slot] = _Slot(request, seed, first_pending=True)
+                self._slots[slot] = _Slot(request, seed)
                 self._rows.start(slot, request, seed, 1, self.max_model_len)
             self._pending.append((items, first, logprobs))
 
@@ -399,7 +398,6 @@ class JaxEngine(PollingEngine):
         for items, first, logprobs in self._pending:
             first, logprobs = np.asarray(first), np.asarray(logprobs)
             for r, (slot, _, _) in enumerate(items):
-                self._slots[slot].first_pending = False
                 self._append(slot, [int(first[r])], [float(logprobs[r])], finished)
         self._pending = []
 
