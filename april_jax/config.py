@@ -32,6 +32,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.arch = ""  # preset name (qwen3-0.6b ... qwen3-8b) or "tiny" (model.tiny.*) when path is empty
     c.model.dtype = "float32"  # parameter dtype
     c.model.compute_dtype = "float32"
+    c.model.remat = "none"  # "none", "full" (recompute each layer in the backward: long sequences), "dots"
+    c.model.attention_impl = "auto"  # "auto" (cuDNN flash attention on GPU in bf16/fp16), "xla", "cudnn"
     c.model.tiny = ml_collections.ConfigDict(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16))
 
@@ -146,7 +148,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     choices = {"rollout.engine": ("jax", "vllm", "sim"), "data.task": ("file", "reverse"),
                "rollout.weight_transport": ("shm", "file", "cuda_ipc"),
                "loss.advantage": ("grpo", "drgrpo", "rloo"), "model.dtype": ("float32", "bfloat16", "float16"),
-               "model.compute_dtype": ("float32", "bfloat16", "float16")}
+               "model.compute_dtype": ("float32", "bfloat16", "float16"), "model.remat": ("none", "full", "dots"),
+               "model.attention_impl": ("auto", "xla", "cudnn")}
     for key, allowed in choices.items():
         if given[key] not in allowed:
             raise ConfigError(f"config key {key!r}={given[key]!r}: expected one of {allowed}")

@@ -94,13 +94,14 @@ def build_model(c, mesh, vocab_size):
 
     dtype = qwen3.as_dtype(c.model.dtype)
     compute = qwen3.as_dtype(c.model.compute_dtype)
+    choices = dict(remat=c.model.remat, attention_impl=c.model.attention_impl)
     if c.model.path:
-        return qwen3.from_pretrained(c.model.path, dtype=dtype, compute_dtype=compute, mesh=mesh)
+        return qwen3.from_pretrained(c.model.path, dtype=dtype, compute_dtype=compute, mesh=mesh, **choices)
     if c.model.arch == "tiny":
         cfg = qwen3.Qwen3Config(vocab_size=vocab_size or 1024, param_dtype=dtype, dtype=compute,
-                                max_position_embeddings=4096, **c.model.tiny.to_dict())
+                                max_position_embeddings=4096, **choices, **c.model.tiny.to_dict())
     elif c.model.arch in qwen3.PRESETS:
-        cfg = qwen3.PRESETS[c.model.arch].replace(param_dtype=dtype, dtype=compute)
+        cfg = qwen3.PRESETS[c.model.arch].replace(param_dtype=dtype, dtype=compute, **choices)
     else:
         raise ConfigError(f"config key 'model.arch'={c.model.arch!r}: expected 'tiny' or one of {sorted(qwen3.PRESETS)}")
     return qwen3.init_model(cfg, seed=c.seed, mesh=mesh)

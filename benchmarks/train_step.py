@@ -7,7 +7,8 @@ FLOPs per step: the recompute of pi_old (forward, 2N per token) plus forward+bac
 update (6N per token), N = parameters including the lm_head, plus causal attention: the score and
 value products over the T^2 / 2 query-key pairs at or below the diagonal (6 L T^2 H D per sequence
 for fwd+bwd, 2 L T^2 H D for the extra forward), the work a causal kernel has to do. (Until the
-attention skipped masked blocks this counted all T^2 pairs, twice that attention figure.)
+attention skipped masked blocks this counted all T^2 pairs, twice that attention figure.) With
+--remat the recomputed forward is not counted: the fraction is of model FLOPs, as MFU is.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def main():
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--remat", default="none", choices=["none", "full", "dots"])
     args = parser.parse_args()
-    cfg = CONFIG_40M
+    cfg = CONFIG_40M.replace(remat=args.remat)
     B, S = args.batch, args.seq
     rng = np.random.default_rng(0)
     batch = {"input_ids": rng.integers(0, cfg.vocab_size, (B, S)).astype(np.int32),
@@ -69,6 +71,7 @@ def main():
     print(json.dumps({
         "benchmark": "train_step", "backend": jax.default_backend(), "devices": jax.device_count(),
         "params_m": round(cfg.num_params / 1e6, 1), "batch": B, "seq": S, "micro_batch": args.micro,
+        "remat": args.remat,
         "compile_s": round(compile_s, 2), "step_s": round(step_s, 3), "tokens_per_s": round(B * T / step_s, 1),
         "achieved_gflops": round(flops / step_s / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
         "fraction_of_peak": round(flops / step_s / peak, 3),

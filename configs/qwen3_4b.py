@@ -14,6 +14,7 @@ def get_config(size: str = "4b"):
     c.model.path = f"/path/to/Qwen3-{size.upper()}"  # a Hugging Face checkpoint dir (config.json, safetensors, tokenizer)
     c.model.dtype = "bfloat16"
     c.model.compute_dtype = "bfloat16"
+    c.model.remat = "full"  # 16K-token responses: keep one activation per layer, recompute the rest
     c.data.task = "file"
     c.data.train_path = "/path/to/train.parquet"  # jsonl or parquet with fields prompt / answer
     c.data.eval_path = ""

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from april_jax.models import qwen3
 from april_jax.models.qwen3 import KVCache, Qwen3Config
@@ -177,3 +178,42 @@ def test_long_sequence_block_causal_attention_matches_transformers(tmp_path, T):
     dense = np.asarray(model(jnp.asarray(ids, jnp.int32), jnp.broadcast_to(jnp.arange(T), (2, T))))
     assert np.abs(blocked - hf_logits(ref, ids)).max() <= 1e-4
     assert np.abs(blocked - dense).max() <= 1e-5
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_keeps_loss_and_gradients(policy):
+    cfg = Qwen3Config(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 160, (2, 140)), jnp.int32)
+
+    def loss_and_grads(model):
+        loss = lambda m: jnp.mean(jax.nn.log_softmax(m(ids))[..., 7])
+        return loss(model), jax.tree.leaves(nnx.state(nnx.grad(loss)(model)))
+
+    plain_loss, plain = loss_and_grads(qwen3.init_model(cfg))
+    model = qwen3.init_model(cfg.replace(remat=policy))
+    remat_loss, remat = loss_and_grads(model)
+    jaxpr = str(jax.make_jaxpr(lambda s: nnx.grad(lambda m: jnp.sum(m(ids)))(nnx.merge(nnx.graphdef(model), s)))(
+        nnx.state(model)))
+    assert "remat" in jaxpr  # the layers really are rematerialised
+    assert abs(float(plain_loss) - float(remat_loss)) <= 1e-6
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(plain, remat)) <= 1e-6
+    with pytest.raises(ValueError, match="remat='sometimes'"):
+        cfg.replace(remat="sometimes")
+
+
+def test_flash_attention_call_has_our_layout_and_gqa_grouping():
+    """The cuDNN path (GPU only) is jax.nn.dot_product_attention; its XLA implementation must give
+    what our attention gives, so the layout and the grouping of query heads onto KV heads agree."""
+    B, T, H, K, D = 2, 50, 8, 2, 16
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=(B, T, n, D)), jnp.float32) for n in (H, K, K))
+    flash_BTHD = qwen3._flash_causal_attention(q, k, v, jnp.float32, "xla")
+    causal_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    ours_BKGTD = qwen3._dense_attention(jnp.transpose(q.reshape(B, T, K, H // K, D), (0, 2, 3, 1, 4)),
+                                        jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)), causal_BTS,
+                                        jnp.float32)
+    ours_BTHD = jnp.transpose(ours_BKGTD, (0, 3, 1, 2, 4)).reshape(B, T, H, D)
+    assert float(jnp.abs(flash_BTHD - ours_BTHD).max()) <= 1e-5
+    assert not qwen3._use_cudnn(Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                            num_attention_heads=1, num_key_value_heads=1, head_dim=8))  # CPU: auto -> xla

@@ -74,11 +74,12 @@ def read_config(path) -> dict:
         raise CheckpointError(f"{file}: invalid JSON ({e})") from None
 
 
-def load_pretrained(path, *, param_dtype=jnp.float32, dtype=jnp.float32, mesh: Mesh | None = None) -> Qwen3:
+def load_pretrained(path, *, param_dtype=jnp.float32, dtype=jnp.float32, mesh: Mesh | None = None,
+                    **overrides) -> Qwen3:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
-    cfg = Qwen3Config.from_hf_config(read_config(path), param_dtype=param_dtype, dtype=dtype)
+    cfg = Qwen3Config.from_hf_config(read_config(path), param_dtype=param_dtype, dtype=dtype, **overrides)
     files = SafetensorsDir(path)
     abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), mesh=mesh))
     graphdef, state = nnx.split(abstract)

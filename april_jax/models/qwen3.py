@@ -29,6 +29,10 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
     return jnp.dtype(name_or_dtype)
 
 
+# What a rematerialised decoder layer keeps for the backward (jax.checkpoint policies).
+REMAT_POLICIES = {"none": None, "full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     vocab_size: int
@@ -51,10 +55,16 @@ class Qwen3Config:
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32  # compute dtype; logits and norms are always fp32
     initializer_range: float = 0.02
+    # Training-time choices, not part of config.json:
+    remat: str = "none"  # "none", "full" (recompute each layer in the backward), "dots" (keep matmul outputs)
+    attention_impl: str = "auto"  # cache-free attention: "xla", "cudnn" (flash), "auto" (cudnn on GPU in bf16/fp16)
 
     def __post_init__(self):
         object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        for field, allowed in (("remat", REMAT_POLICIES), ("attention_impl", ("auto", "xla", "cudnn"))):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field}={getattr(self, field)!r}: expected one of {tuple(allowed)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -284,6 +294,21 @@ def _block_causal_attention(q_BKGTD, keys_BKDS, values_BKSD, mask_BTS, dtype, nu
     return jnp.concatenate(outs, axis=3)
 
 
+def _use_cudnn(cfg: "Qwen3Config") -> bool:
+    if cfg.attention_impl == "cudnn":
+        return True
+    return (cfg.attention_impl == "auto" and jax.default_backend() == "gpu"
+            and cfg.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def _flash_causal_attention(q_BTHD, k_BTKD, v_BTKD, dtype, implementation: str):
+    """jax.nn.dot_product_attention, causal: with "cudnn" a fused flash kernel that never holds the
+    [T, T] scores (what long sequences need on GPU; bf16/fp16 only). Untested on GPU here: the
+    tests run the same call with implementation="xla" to pin the layout and the GQA grouping."""
+    return jax.nn.dot_product_attention(q_BTHD.astype(dtype), k_BTKD.astype(dtype), v_BTKD.astype(dtype),
+                                        is_causal=True, implementation=implementation)
+
+
 # Query blocks of at least this many tokens (fewer blocks mean less skipped; more mean more ops).
 CAUSAL_BLOCK_MIN = 64
 CAUSAL_BLOCKS_MAX = 8
@@ -324,6 +349,8 @@ class Attention(nnx.Module):
         causal_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
         if T == 1 and cache_kv is not None:
             out_BTKGD = _decode_attention(q_BTKGD, keys_BKDS, values_BKSD, causal_BTS[:, 0], cfg.dtype)
+        elif cache_kv is None and positions_are_index and _use_cudnn(cfg):
+            out_BTKGD = _flash_causal_attention(q_BTHD, k_BTKD, v_BTKD, cfg.dtype, "cudnn").reshape(B, T, K, H // K, D)
         else:
             q_BKGTD = jnp.transpose(q_BTKGD, (0, 2, 3, 1, 4))
             num_blocks = min(CAUSAL_BLOCKS_MAX, T // CAUSAL_BLOCK_MIN)
@@ -402,10 +429,19 @@ class Qwen3(nnx.Module):
             positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         x_BTM = self.embed(tokens_BT)
         new_k, new_v = [], []
+        remat = cache is None and self.cfg.remat != "none"  # training; decoding keeps no activations anyway
+
+        def run_layer(layer, x_BTM):
+            return layer(x_BTM, positions_BT, None, None, positions_are_index)[0]
+
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x_BTM, new_kv = layer(x_BTM, positions_BT, kv, None if cache is None else cache.lengths_B,
-                                  positions_are_index)
+            if remat:
+                x_BTM = nnx.remat(run_layer, policy=REMAT_POLICIES[self.cfg.remat])(layer, x_BTM)
+                new_kv = None
+            else:
+                kv = None if cache is None else (cache.k[i], cache.v[i])
+                x_BTM, new_kv = layer(x_BTM, positions_BT, kv, None if cache is None else cache.lengths_B,
+                                      positions_are_index)
             x_BTM = self._constrain_batch(x_BTM)
             if new_kv is not None:
                 new_k.append(new_kv[0])
@@ -439,11 +475,12 @@ def init_model(cfg: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Qwe
     return model
 
 
-def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, compute_dtype=None) -> Qwen3:
-    """Load a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`."""
+def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, compute_dtype=None, **overrides) -> Qwen3:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`; `overrides`
+    set Qwen3Config fields that config.json does not carry (e.g. remat="full")."""
     from april_jax.models import hf
 
-    return hf.load_pretrained(path, param_dtype=dtype, dtype=compute_dtype or dtype, mesh=mesh)
+    return hf.load_pretrained(path, param_dtype=dtype, dtype=compute_dtype or dtype, mesh=mesh, **overrides)
 
 
 def save_pretrained(model: Qwen3, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
