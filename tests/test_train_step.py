@@ -71,6 +71,8 @@ def test_sharded_step_equals_single_device():
     mr, gr = remat.loss_and_grads(batch, 4)
     np.testing.assert_allclose(float(mr["train/loss"]), float(m1["train/loss"]), rtol=1e-5)
     np.testing.assert_allclose(flat(gr), flat(g1), atol=1e-6, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(remat.logprobs(batch["input_ids"])),  # pi_old, micro-batched
+                               np.asarray(single.logprobs(batch["input_ids"])), atol=1e-5)
     s1, s8 = single.step(batch, 4), sharded.step(batch, 4)
     np.testing.assert_allclose(s8["train/grad_norm"], s1["train/grad_norm"], rtol=1e-5)
     assert sharded.params["layers"][0]["mlp"]["up_proj"]["weight"].sharding.spec == P("tensor", "fsdp")

@@ -11,6 +11,7 @@ G = H / K, D head_dim, V vocab, I intermediate, L layers.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -431,12 +432,16 @@ class Qwen3(nnx.Module):
         new_k, new_v = [], []
         remat = cache is None and self.cfg.remat != "none"  # training; decoding keeps no activations anyway
 
-        def run_layer(layer, x_BTM):
-            return layer(x_BTM, positions_BT, None, None, positions_are_index)[0]
+        def run_layer(graphdef, state, x_BTM):
+            return nnx.merge(graphdef, state)(x_BTM, positions_BT, None, None, positions_are_index)[0]
 
         for i, layer in enumerate(self.layers):
             if remat:
-                x_BTM = nnx.remat(run_layer, policy=REMAT_POLICIES[self.cfg.remat])(layer, x_BTM)
+                # jax.checkpoint on split state (a pure function): nnx.remat would mutate a module
+                # created outside a surrounding lax.map / scan, which NNX refuses.
+                graphdef, state = nnx.split(layer)
+                x_BTM = jax.checkpoint(partial(run_layer, graphdef), policy=REMAT_POLICIES[self.cfg.remat])(
+                    state, x_BTM)
                 new_kv = None
             else:
                 kv = None if cache is None else (cache.k[i], cache.v[i])
