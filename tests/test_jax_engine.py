@@ -276,3 +276,19 @@ def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny, prompts, gree
     kept = engine_for(model, free_kv_in_sleep=False)
     kept.sleep()
     assert kept.stats()["kv_cache_bytes"] > 0  # off: sleep keeps the cache
+
+
+def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny):
+    """Prompts of 150-250 tokens prefill in buckets of 256 (4 query blocks, the masked ones skipped)."""
+    ref, model = tiny
+    rs = np.random.RandomState(5)
+    long_prompts = [rs.randint(0, 160, size=n).tolist() for n in (150, 200, 250)]
+    engine = engine_for(model, max_num_seqs=2, max_model_len=300)
+    out = engine.generate([Request(str(i), p, 12, GREEDY) for i, p in enumerate(long_prompts)])
+    for i, p in enumerate(long_prompts):
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out[str(i)].token_ids == hf[0, len(p):].tolist(), f"prompt {i}"
+        np.testing.assert_allclose(out[str(i)].logprobs, teacher_forced_logprobs(model, p, out[str(i)].token_ids),
+                                   atol=1e-4)

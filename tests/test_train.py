@@ -82,8 +82,9 @@ def test_ckpt_inspect_and_export_hf(two_steps, tmp_path):
 
 def test_kill_9_then_resume_trains_every_prompt_once(tmp_path):
     workdir = tmp_path / "run"
+    STEPS = 10  # room after checkpoint 3 so that the kill lands mid-run even on a fast machine
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    proc = subprocess.Popen(train_cmd(workdir, "--config.train.total_steps=6", "--config.checkpoint.every=1"),
+    proc = subprocess.Popen(train_cmd(workdir, f"--config.train.total_steps={STEPS}", "--config.checkpoint.every=1"),
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 300
     while not (workdir / "checkpoints" / "3" / "commit_success.txt").exists():
@@ -93,17 +94,17 @@ def test_kill_9_then_resume_trains_every_prompt_once(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = max(r["step"] for r in read_metrics(workdir))
-    assert killed_at < 5, "the run finished before it was killed"
+    assert killed_at < STEPS - 1, "the run finished before it was killed"
 
-    resumed = run_train(workdir, "--config.train.total_steps=6", "--config.checkpoint.every=1")
+    resumed = run_train(workdir, f"--config.train.total_steps={STEPS}", "--config.checkpoint.every=1")
     assert "resumed from" in resumed.stderr
     rows = read_metrics(workdir)
-    assert [r["step"] for r in rows] == list(range(6)), "metrics continue without gaps or repeats"
-    assert rows[-1]["version"] == 6
+    assert [r["step"] for r in rows] == list(range(STEPS)), "metrics continue without gaps or repeats"
+    assert rows[-1]["version"] == STEPS
     delivered = [json.loads(l) for l in (workdir / "delivered.jsonl").read_text().splitlines()]
-    assert [d["step"] for d in delivered] == list(range(6))
+    assert [d["step"] for d in delivered] == list(range(STEPS))
     uids = [u for d in delivered for u in d["uids"]]
-    assert len(uids) == len(set(uids)) == 6 * 4, "a prompt was trained twice"
+    assert len(uids) == len(set(uids)) == STEPS * 4, "a prompt was trained twice"
     info = describe(workdir)
     drawn = info["data_position"]["position"]
     # every drawn prompt is trained, still in the buffer, or counted as dropped: none skipped

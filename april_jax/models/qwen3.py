@@ -355,7 +355,7 @@ class Attention(nnx.Module):
         else:
             q_BKGTD = jnp.transpose(q_BTKGD, (0, 2, 3, 1, 4))
             num_blocks = min(CAUSAL_BLOCKS_MAX, T // CAUSAL_BLOCK_MIN)
-            if cache_kv is None and positions_are_index and num_blocks > 1:
+            if positions_are_index and num_blocks > 1 and values_BKSD.shape[2] == T:
                 out_BKGTD = _block_causal_attention(q_BKGTD, keys_BKDS, values_BKSD, causal_BTS, cfg.dtype, num_blocks)
             else:
                 out_BKGTD = _dense_attention(q_BKGTD, keys_BKDS, values_BKSD, causal_BTS, cfg.dtype)
@@ -417,14 +417,16 @@ class Qwen3(nnx.Module):
             table_VM = jax.lax.with_sharding_constraint(table_VM, NamedSharding(self.mesh, P()))
         return self._constrain_batch(jnp.take(table_VM, tokens_BT, axis=0).astype(self.cfg.dtype))
 
-    def hidden(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, num_new_B=None):
+    def hidden(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, num_new_B=None, fresh_cache=False):
         """Final-norm hidden states [B, T, M] and the updated cache (None without one).
 
         With a cache, token t of row b sits at position `cache.lengths_B[b] + t`; the new lengths
         are `lengths_B + num_new_B` (default T), so right-padded prefills keep only real tokens.
         """
         B, T = tokens_BT.shape
-        positions_are_index = positions_BT is None and cache is None  # lets attention skip masked blocks
+        # Token t at position t (no cache, or `fresh_cache`: an empty one, a prefill from position 0)
+        # lets attention skip the masked blocks above the diagonal.
+        positions_are_index = positions_BT is None and (cache is None or fresh_cache)
         if positions_BT is None:
             start_B = cache.lengths_B if cache is not None else jnp.zeros((B,), jnp.int32)
             positions_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -462,8 +464,8 @@ class Qwen3(nnx.Module):
         return jnp.einsum("btm,vm->btv", hidden_BTM, head_VM.astype(hidden_BTM.dtype),
                           preferred_element_type=jnp.float32)
 
-    def forward(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, num_new_B=None):
-        hidden_BTM, new_cache = self.hidden(tokens_BT, positions_BT, cache, num_new_B)
+    def forward(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, num_new_B=None, fresh_cache=False):
+        hidden_BTM, new_cache = self.hidden(tokens_BT, positions_BT, cache, num_new_B, fresh_cache)
         return self.logits(hidden_BTM), new_cache
 
     def __call__(self, tokens_BT, positions_BT=None):

@@ -107,7 +107,7 @@ def _prefill(graphdef, state, cache: KVCache, next_token_S, slots_M, source_M, t
     model = nnx.merge(graphdef, state)
     N, T = tokens_NT.shape
     fresh = KVCache.zeros(model.cfg, N, T, cache.v[0].dtype)
-    logits_NTV, fresh = model.forward(tokens_NT, cache=fresh, num_new_B=lengths_N)
+    logits_NTV, fresh = model.forward(tokens_NT, cache=fresh, num_new_B=lengths_N, fresh_cache=True)
     last_MV = jnp.take_along_axis(logits_NTV, (lengths_N - 1)[:, None, None], axis=1)[source_M, 0]
     keys = sampling.request_keys(seeds_M, jnp.zeros(source_M.shape, jnp.int32))
     tokens_M, logprobs_M = sampling.sample(last_MV, keys, temperature_M, top_p_M, top_k_M, mode=mode)
