@@ -67,7 +67,8 @@ class _RowParams:
     """Per-slot decode inputs kept as host arrays, written when a slot starts and cleared when it
     ends, so a decode call does not rebuild them slot by slot. Free slots hold greedy defaults."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, max_model_len: int):
+        self.max_model_len = max_model_len
         self.active = np.zeros(num_slots, bool)
         self.temperature = np.zeros(num_slots, np.float32)
         self.top_p = np.ones(num_slots, np.float32)
@@ -77,7 +78,7 @@ class _RowParams:
         self.limits = np.zeros(num_slots, np.int32)
         self.stop_ids = np.full((num_slots, 4), -1, np.int32)  # width: a power of two, grows on demand
 
-    def start(self, i: int, request: Request, seed: int, steps: int, max_model_len: int) -> None:
+    def start(self, i: int, request: Request, seed: int, steps: int) -> None:
         p, stops = request.sampling, request.stop_token_ids
         if len(stops) > self.stop_ids.shape[1]:
             wider = np.full((len(self.active), 1 << (len(stops) - 1).bit_length()), -1, np.int32)
@@ -86,7 +87,7 @@ class _RowParams:
         self.active[i] = True
         self.temperature[i], self.top_p[i], self.top_k[i], self.seeds[i] = p.temperature, p.top_p, p.top_k, seed
         self.steps[i] = steps
-        self.limits[i] = min(request.max_new_tokens, max_model_len - len(request.prompt_ids))
+        self.limits[i] = min(request.max_new_tokens, self.max_model_len - len(request.prompt_ids))
         self.stop_ids[i] = -1
         self.stop_ids[i, : len(stops)] = stops
 
@@ -183,10 +184,10 @@ class JaxEngine(PollingEngine):
         self._asleep = False
         # Opt-in: aborted rows wait in a side cache and a resume of exactly their tokens skips the
         # re-prefill (see kv_park.py for what that trades).
-        self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache.v[0].dtype) \
+        self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache_dtype) \
             if reuse_aborted_kv else None
         self._slots: list[_Slot | None] = [None] * max_num_seqs
-        self._rows = _RowParams(max_num_seqs)
+        self._rows = _RowParams(max_num_seqs, max_model_len)
         self._queue: collections.deque[tuple[Request, int]] = collections.deque()
         self._ready: list[Result] = []  # finished outside a step (bad requests)
         self._seeds = np.random.default_rng(seed)
@@ -352,7 +353,7 @@ class JaxEngine(PollingEngine):
                 self._cache = self._parking.restore(self._cache, [(s, tuple(r.prompt_ids)) for s, r, _ in parked])
                 for slot, request, seed in parked:
                     self._slots[slot] = _Slot(request, seed)
-                    self._rows.start(slot, request, seed, 0, self.max_model_len)
+                    self._rows.start(slot, request, seed, 0)
                     self._next_token[slot] = request.prompt_ids[-1]  # its KV is not in the row yet
                 restored = {slot for slot, _, _ in parked}
                 starting = [item for item in starting if item[0] not in restored]
@@ -385,7 +386,7 @@ class JaxEngine(PollingEngine):
                 mode=sampling.batch_mode(temp, top_p, top_k))
             for slot, request, seed in items:
                 self._slots[slot] = _Slot(request, seed)
-                self._rows.start(slot, request, seed, 1, self.max_model_len)
+                self._rows.start(slot, request, seed, 1)
             self._pending.append((items, first, logprobs))
 
     def _next_tokens(self):
