@@ -1,6 +1,6 @@
 """Decode tokens/s of the embedded JAX engine vs transformers `generate` on the same weights.
 
-    python benchmarks/engine.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 32]
+    python benchmarks/engine.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 32] [--dtype bfloat16]
                                 [--vllm-python ../.venv-vllm/bin/python]
 
 Both generate greedily, exactly `new_tokens` per request, from the same random ~40M-parameter
@@ -82,6 +82,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--decode-steps-per-call", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="weights and compute of both the JAX model and transformers")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vllm: also measure a vLLM server")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
@@ -89,8 +91,8 @@ def main():
     tmp_dir = tempfile.TemporaryDirectory()
     tmp = tmp_dir.name
     qwen3.save_pretrained(qwen3.init_model(CONFIG_40M, seed=0), tmp)
-    model = qwen3.from_pretrained(tmp)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    model = qwen3.from_pretrained(tmp, dtype=qwen3.as_dtype(args.dtype))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, args.dtype)).eval()
     rng = np.random.RandomState(0)
     batches = [int(b) for b in args.batches.split(",")]
     prompts = {b: rng.randint(1, CONFIG_40M.vocab_size, size=(b, args.prompt_len)).tolist() for b in batches}
@@ -117,7 +119,7 @@ def main():
             row["vllm_greedy_identical_frac"] = float(np.mean([v_out[f"run{i}"].token_ids == out[f"run{i}"].token_ids
                                                                for i in range(b)]))
         rows.append(row)
-    print(json.dumps({"benchmark": "engine", "params_m": round(CONFIG_40M.num_params / 1e6, 1),
+    print(json.dumps({"benchmark": "engine", "params_m": round(CONFIG_40M.num_params / 1e6, 1), "dtype": args.dtype,
                       "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "torch_threads": torch.get_num_threads(),
                       "decode_steps_per_call": args.decode_steps_per_call,
                       "results": rows}))

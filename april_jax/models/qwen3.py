@@ -208,6 +208,19 @@ def _normal(rngs: nnx.Rngs, shape, cfg: Qwen3Config):
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * cfg.initializer_range).astype(cfg.param_dtype)
 
 
+def _dot_output_dtype(dtype):
+    """Output dtype of a matmul whose inputs are `dtype`. XLA:CPU runs bf16 matmuls on AMX (4x its
+    fp32 matmuls here) only when they accumulate into an f32 output; with a bf16 output it takes a
+    path ~10x slower. Elsewhere outputs stay in `dtype`, so the backward's matmuls stay bf16 too."""
+    return jnp.float32 if jax.default_backend() == "cpu" else dtype
+
+
+def _einsum(spec, a, b, dtype):
+    """einsum of `a` and `b` cast to `dtype`, returned in `dtype`."""
+    out = jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=_dot_output_dtype(dtype))
+    return out.astype(dtype)
+
+
 class Linear(nnx.Module):
     """y = x W^T (+ b) with W stored (out, in) as in torch / safetensors."""
 
@@ -218,8 +231,8 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         # Flattened to [tokens, in]: XLA's CPU backward of the batched-dims einsum was ~1.5x slower.
-        x_NI = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = jnp.einsum("ni,oi->no", x_NI, self.weight[...].astype(self.dtype)).reshape(*x.shape[:-1], -1)
+        x_NI = x.reshape(-1, x.shape[-1])
+        y = _einsum("ni,oi->no", x_NI, self.weight[...], self.dtype).reshape(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -262,13 +275,15 @@ def _write_positions(cache_BKDS, cache_BKSD, k_BTKD, v_BTKD, start_B):
 
 
 def _decode_attention(q_B1KGD, keys_BKDS, values_BKSD, valid_BS, dtype):
-    """One query per row, in fp32."""
+    """One query per row; matmuls in the cache's dtype accumulating in fp32, softmax in fp32 (the
+    cache is not upcast: converting a bf16 cache to fp32 first was 6x slower on CPU at S = 1024)."""
     D = q_B1KGD.shape[-1]
-    q_BKGD = q_B1KGD[:, 0].astype(jnp.float32) * (D ** -0.5)
-    scores_BKGS = jnp.einsum("bkgd,bkds->bkgs", q_BKGD, keys_BKDS.astype(jnp.float32))
+    cache_dtype = keys_BKDS.dtype
+    q_BKGD = (q_B1KGD[:, 0].astype(jnp.float32) * (D ** -0.5)).astype(cache_dtype)
+    scores_BKGS = jnp.einsum("bkgd,bkds->bkgs", q_BKGD, keys_BKDS, preferred_element_type=jnp.float32)
     scores_BKGS = jnp.where(valid_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
-    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
-    out_BKGD = jnp.einsum("bkgs,bksd->bkgd", probs_BKGS, values_BKSD.astype(jnp.float32))
+    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(cache_dtype)
+    out_BKGD = jnp.einsum("bkgs,bksd->bkgd", probs_BKGS, values_BKSD, preferred_element_type=jnp.float32)
     return out_BKGD[:, None].astype(dtype)
 
 
@@ -280,7 +295,7 @@ def _dense_attention(q_BKGTD, keys_BKDS, values_BKSD, mask_BTS, dtype):
                               preferred_element_type=jnp.float32) * (D ** -0.5)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(dtype)
-    return jnp.einsum("bkgts,bksd->bkgtd", probs_BKGTS, values_BKSD.astype(dtype))
+    return _einsum("bkgts,bksd->bkgtd", probs_BKGTS, values_BKSD, dtype)
 
 
 def _block_causal_attention(q_BKGTD, keys_BKDS, values_BKSD, mask_BTS, dtype, num_blocks: int):
@@ -461,8 +476,12 @@ class Qwen3(nnx.Module):
 
     def logits(self, hidden_BTM):
         head_VM = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("btm,vm->btv", hidden_BTM, head_VM.astype(hidden_BTM.dtype),
-                          preferred_element_type=jnp.float32)
+        # Flattened to [tokens, embed]: with the [B, T, M] form XLA:CPU transposed the whole bf16
+        # table before every call.
+        B, T, M = hidden_BTM.shape
+        logits_NV = jnp.einsum("nm,vm->nv", hidden_BTM.reshape(B * T, M), head_VM.astype(hidden_BTM.dtype),
+                               preferred_element_type=jnp.float32)
+        return logits_NV.reshape(B, T, -1)
 
     def forward(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, num_new_B=None, fresh_cache=False):
         hidden_BTM, new_cache = self.hidden(tokens_BT, positions_BT, cache, num_new_B, fresh_cache)

