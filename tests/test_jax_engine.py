@@ -308,15 +308,16 @@ def test_greedy_pick_is_the_first_argmax_even_with_ties():
     np.testing.assert_allclose(logprobs, expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("cache_dtype", [None, jnp.bfloat16])
-def test_bf16_engine_logprobs_match_bf16_teacher_forcing(tiny, prompts, tmp_path, cache_dtype):
+@pytest.mark.parametrize("cache_dtype,slots", [(None, SLOTS), (jnp.bfloat16, SLOTS), (None, 1)])
+def test_bf16_engine_logprobs_match_bf16_teacher_forcing(tiny, prompts, tmp_path, cache_dtype, slots):
     """A bf16 model: the engine's logprobs against the same bf16 model's full forward. They differ
     by bf16 rounding only (keys and values are held exactly: the default cache on CPU is fp32, the
-    GPU default is bf16); measured max |diff| 0.002 nats, asserted 0.02."""
+    GPU default is bf16; one slot takes the single-row matmul path); measured max |diff| 0.002
+    nats, asserted 0.02."""
     ref, _ = tiny
     ref.save_pretrained(tmp_path)
     model = qwen3.from_pretrained(tmp_path, dtype=jnp.bfloat16)
-    engine = engine_for(model, cache_dtype=cache_dtype)
+    engine = engine_for(model, cache_dtype=cache_dtype, max_num_seqs=slots)
     expected_cache = jnp.float32 if cache_dtype is None and jax.default_backend() == "cpu" else jnp.bfloat16
     assert engine._cache.k[0].dtype == expected_cache
     out = engine.generate([Request(str(i), prompts[i], 24, GREEDY) for i in range(4)])
