@@ -224,7 +224,8 @@ def _einsum(spec, a, b, dtype):
 def _rows_times_weight(x_NI, w_OI, dtype, out_dtype=None):
     """x_NI @ w_OI^T with inputs in `dtype`, returned in `out_dtype` (fp32 for logits on every
     backend; default `dtype` through `_dot_output_dtype`). A single bf16 row misses
-    XLA:CPU's AMX path (3x slower than two rows; a batch-1 decode step 6x), so it goes in twice."""
+    XLA:CPU's AMX path (3x slower than two rows; the batch-1 bf16 forward was 9x slower), so it
+    goes in twice."""
     single = x_NI.shape[0] == 1 and jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu"
     if single:
         x_NI = jnp.concatenate([x_NI, x_NI])
