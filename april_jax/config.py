@@ -13,6 +13,7 @@ import sys
 
 import ml_collections
 
+from april_jax.models import qwen3
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig
 from april_jax.rollout.april import RolloutConfig
@@ -147,9 +148,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                               f"({type(value).__name__})")
     choices = {"rollout.engine": ("jax", "vllm", "sim"), "data.task": ("file", "reverse"),
                "rollout.weight_transport": ("shm", "file", "cuda_ipc"),
-               "loss.advantage": ("grpo", "drgrpo", "rloo"), "model.dtype": ("float32", "bfloat16", "float16"),
-               "model.compute_dtype": ("float32", "bfloat16", "float16"), "model.remat": ("none", "full", "dots"),
-               "model.attention_impl": ("auto", "xla", "cudnn")}
+               "loss.advantage": ("grpo", "drgrpo", "rloo"), "model.dtype": tuple(qwen3.DTYPES),
+               "model.compute_dtype": tuple(qwen3.DTYPES), "model.remat": tuple(qwen3.REMAT_POLICIES),
+               "model.attention_impl": qwen3.ATTENTION_IMPLS}
     for key, allowed in choices.items():
         if given[key] not in allowed:
             raise ConfigError(f"config key {key!r}={given[key]!r}: expected one of {allowed}")

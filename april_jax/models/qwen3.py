@@ -32,6 +32,7 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
 
 # What a rematerialised decoder layer keeps for the backward (jax.checkpoint policies).
 REMAT_POLICIES = {"none": None, "full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Qwen3Config:
     def __post_init__(self):
         object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
-        for field, allowed in (("remat", REMAT_POLICIES), ("attention_impl", ("auto", "xla", "cudnn"))):
+        for field, allowed in (("remat", REMAT_POLICIES), ("attention_impl", ATTENTION_IMPLS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r}: expected one of {tuple(allowed)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -215,24 +216,20 @@ def _dot_output_dtype(dtype):
     return jnp.float32 if jax.default_backend() == "cpu" else dtype
 
 
-def _einsum(spec, a, b, dtype):
-    """einsum of `a` and `b` cast to `dtype`, returned in `dtype`."""
-    out = jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=_dot_output_dtype(dtype))
-    return out.astype(dtype)
+def _einsum(spec, a, b, dtype, out_dtype=None):
+    """einsum of `a` and `b` cast to `dtype`, returned in `out_dtype` (default `dtype`; an fp32
+    output, as logits want, accumulates in fp32 on every backend)."""
+    out_dtype = out_dtype or dtype
+    accumulate = jnp.float32 if out_dtype == jnp.float32 else _dot_output_dtype(dtype)
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=accumulate).astype(out_dtype)
 
 
 def _rows_times_weight(x_NI, w_OI, dtype, out_dtype=None):
-    """x_NI @ w_OI^T with inputs in `dtype`, returned in `out_dtype` (fp32 for logits on every
-    backend; default `dtype` through `_dot_output_dtype`). A single bf16 row misses
-    XLA:CPU's AMX path (3x slower than two rows; the batch-1 bf16 forward was 9x slower), so it
-    goes in twice."""
-    single = x_NI.shape[0] == 1 and jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu"
-    if single:
-        x_NI = jnp.concatenate([x_NI, x_NI])
-    out_dtype = out_dtype or dtype
-    accumulate = jnp.float32 if out_dtype == jnp.float32 else _dot_output_dtype(dtype)
-    out = jnp.einsum("ni,oi->no", x_NI.astype(dtype), w_OI.astype(dtype), preferred_element_type=accumulate)
-    return (out[:1] if single else out).astype(out_dtype)
+    """x_NI @ w_OI^T (see `_einsum`). A single bf16 row misses XLA:CPU's AMX path (3x slower than
+    two rows; the batch-1 bf16 forward was 9x slower), so it goes in twice."""
+    if x_NI.shape[0] == 1 and jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu":
+        return _einsum("ni,oi->no", jnp.concatenate([x_NI, x_NI]), w_OI, dtype, out_dtype)[:1]
+    return _einsum("ni,oi->no", x_NI, w_OI, dtype, out_dtype)
 
 
 class Linear(nnx.Module):

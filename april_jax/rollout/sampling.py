@@ -14,14 +14,15 @@ import jax.numpy as jnp
 
 
 def _scaled(logits_BV, temperature_B, greedy_only: bool):
-    """(logits / temperature, its row max, its logsumexp); greedy rows keep the unscaled logits."""
+    """(logits / temperature, its row max, that max made finite (the shift for exp), its
+    logsumexp); greedy rows keep the unscaled logits."""
     scaled_BV = logits_BV.astype(jnp.float32)
     if not greedy_only:
         scaled_BV = scaled_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
     max_B = jnp.max(scaled_BV, axis=-1)
     shift_B = jnp.where(jnp.isfinite(max_B), max_B, 0.0)
     lse_B = shift_B + jnp.log(jnp.sum(jnp.exp(scaled_BV - shift_B[:, None]), axis=-1))
-    return scaled_BV, max_B, lse_B
+    return scaled_BV, max_B, shift_B, lse_B
 
 
 def _first_argmax(x_BV, max_B):
@@ -82,7 +83,7 @@ def sample(logits_BV, keys_B, temperature_B, top_p_B, top_k_B, *, mode: str):
     "sample" (full distribution) or "truncate" (some row uses top-k / top-p).
     """
     # No [B, V] log-softmax is materialised: the logprob of one token is its scaled logit - lse.
-    scaled_BV, max_B, lse_B = _scaled(logits_BV, temperature_B, greedy_only=mode == "greedy")
+    scaled_BV, max_B, shift_B, lse_B = _scaled(logits_BV, temperature_B, greedy_only=mode == "greedy")
     # Greedy rows are unscaled, so this is their argmax; sampled rows replace it below.
     tokens_B = _first_argmax(scaled_BV, max_B)
     if mode != "greedy":
@@ -90,7 +91,7 @@ def sample(logits_BV, keys_B, temperature_B, top_p_B, top_k_B, *, mode: str):
             draw_BV = _truncate(scaled_BV - lse_B[:, None], top_p_B, top_k_B)
             logw_BV, shift_B = draw_BV, jnp.max(draw_BV, axis=-1)
         else:
-            logw_BV, shift_B = scaled_BV, jnp.where(jnp.isfinite(max_B), max_B, 0.0)
+            logw_BV = scaled_BV
         u_B = jax.vmap(lambda k: jax.random.uniform(k))(keys_B)
         drawn_B = _inverse_cdf_draw(logw_BV, shift_B, u_B)
         tokens_B = jnp.where(temperature_B > 0, drawn_B, tokens_B)
