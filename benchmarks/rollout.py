@@ -1,15 +1,20 @@
 """APRIL vs the synchronous baseline on the same engine and the same prompts.
 
-    python benchmarks/rollout.py --engine sim [--steps 8] [--seed 0] [--png busy.png]
+    python benchmarks/rollout.py --engine sim [--cost h200-qwen3-4b] [--replicas 8] [--steps 8] [--seed 0] [--png busy.png]
+    python benchmarks/rollout.py --engine sim --cost cpu-jax       # the earlier CPU-calibrated model, one engine
     python benchmarks/rollout.py --engine jax [--steps 8] [--length-scale 0.03125] [--reuse-aborted-kv]
 
 Both modes: 32 groups x 8 samples per step, the seed's long-tailed length distribution (scaled
 for the JAX engine so it fits on CPU). Sync: over_sampling_batch_size = rollout_batch_size = 32,
 partial_rollout off. APRIL: over-sampling 64, partial rollout on. The policy version goes up by one
 after every step, as in training. Throughput counts only response tokens of groups delivered to
-training, over the steps after the first. On the JAX engine the model is a tiny random Qwen3 whose
-responses stop at lengths drawn from the same distribution (via a per-sample length budget), so
-the length tail is the seed's and not an accident of random weights.
+training, over the steps after the first, divided by the engine time of those steps (weight syncs
+included). On the simulated engine (`--cost`: a GPU roofline preset, `april_jax/rollout/cost_model.py`)
+every replica has its own KV budget and groups are routed whole; `limit_tokens_per_s` is the
+delivered tokens over the least time any schedule needs for them under the same cost model and
+memory (`cost_model.time_lower_bound_s`), per run. On the JAX engine the model is a tiny random
+Qwen3 whose responses stop at lengths drawn from the same distribution (via a per-sample length
+budget), so the length tail is the seed's and not an accident of random weights.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import json
 import numpy as np
 
 from april_jax.rollout.april import April, RolloutConfig
-from april_jax.rollout.sim_engine import SimEngine, draw_length
+from april_jax.rollout import cost_model
+from april_jax.rollout.sim_engine import draw_length
+from april_jax.rollout.sim_replicas import SimReplicas
 from april_jax.rollout.types import PromptRecord
 
 
@@ -71,10 +78,17 @@ class LengthBudgetEngine:
 
 
 def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prompt_len: int,
-                prefill_ms=None, min_prefill_batch: int = 1, reuse_aborted_kv: bool = False, steps_per_call: int = 8):
+                prefill_ms=None, min_prefill_batch: int = 1, reuse_aborted_kv: bool = False, steps_per_call: int = 8,
+                cost: str = "cpu-jax", replicas: int = 1, step_overhead_ms=None):
     if kind == "sim":
-        extra = {} if prefill_ms is None else {"prefill_s_per_token": prefill_ms / 1000}
-        return SimEngine(slots=slots, seed=seed, length_scale=length_scale, reuse_aborted_kv=reuse_aborted_kv, **extra)
+        overrides = {}
+        if cost == "cpu-jax" and prefill_ms is not None:
+            overrides["p"] = prefill_ms / 1000
+        if cost != "cpu-jax" and step_overhead_ms is not None:
+            overrides["step_overhead_s"] = step_overhead_ms / 1000
+        model = cost_model.make(cost, slots, **overrides)
+        return SimReplicas(replicas, slots=slots, cost=model, seed=seed, length_scale=length_scale,
+                           reuse_aborted_kv=reuse_aborted_kv)
     from april_jax.models import qwen3
 
     cfg = qwen3.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -88,54 +102,94 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
     return LengthBudgetEngine(engine, seed, length_scale)
 
 
-def run(mode: str, args) -> dict:
+def rollout_config(mode: str, args) -> RolloutConfig:
     sync = mode == "sync"
-    cfg = RolloutConfig(rollout_batch_size=32, n_samples_per_prompt=8,
-                        over_sampling_batch_size=32 if sync else 64, partial_rollout=not sync,
-                        max_response_len=args.max_response_len, temperature=1.0)
+    return RolloutConfig(rollout_batch_size=32, n_samples_per_prompt=8,
+                         over_sampling_batch_size=32 if sync else args.over_sampling, partial_rollout=not sync,
+                         max_response_len=args.max_response_len, max_staleness=args.max_staleness, temperature=1.0)
+
+
+def run(mode: str, args) -> dict:
+    cfg = rollout_config(mode, args)
     engine = make_engine(args.engine, args.seed, args.slots, args.length_scale, args.max_response_len,
-                         args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch, args.reuse_aborted_kv,
-                         args.decode_steps_per_call)
+                         args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch,
+                         args.reuse_aborted_kv and mode != "sync", args.decode_steps_per_call, args.cost, args.replicas,
+                         args.step_overhead_ms)
     april = April(cfg, prompts(args.seed, args.prompt_len))
-    tokens = time = off_policy = 0.0
-    delivered_tokens, dropped = 0, 0
+    tokens = off_policy = on_policy = weight = 0.0
+    ctx_sum, prompt_lens, lengths = 0, [], []
     steps = []
+    start = None
     for step in range(args.steps):
+        if step == 1:
+            start, s_start = engine.now(), engine.stats()
         groups, m = april.collect(engine, version=step)
         assert len(groups) == 32 and all(len(g.samples) == 8 for g in groups)
         engine.update_weights(None, step + 1)
         steps.append(m)
         if step >= 1:
             tokens += m["rollout/tokens"]
-            time += m["rollout/time_s"]
             off_policy += m["rollout/off_policy_token_frac"] * m["rollout/tokens"]
-            dropped += m["rollout/dropped_tokens"]
-    return {"tokens_per_s": tokens / time, "off_policy_token_frac": off_policy / tokens, "dropped_tokens": dropped,
-            "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in steps[1:]) / tokens,
-            "occupancy": float(np.mean([m["rollout/occupancy"] for m in steps[1:]])),
-            "timeline": list(engine.timeline), "steps": steps}
+            for g in groups:
+                prompt_lens.append(len(g.prompt.prompt_ids))
+                for s in g.samples:
+                    stale = step - np.asarray(s.response_versions)
+                    on_policy += float(np.sum(stale == 0))
+                    weight += float(np.sum(0.9 ** stale))
+                    ctx_sum += cost_model.delivered_ctx_sum(len(s.prompt_ids), len(s.response_ids))
+                    lengths.append(len(s.response_ids))
+    time = engine.now() - start
+    s_end = engine.stats()
+    out = {"tokens_per_s": tokens / time, "off_policy_token_frac": off_policy / tokens,
+           "dropped_tokens": sum(m["rollout/dropped_tokens"] for m in steps[1:]),
+           "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in steps[1:]) / tokens,
+           "occupancy": float(np.mean([m["rollout/occupancy"] for m in steps[1:]])),
+           "on_policy_token_frac": on_policy / tokens, "mean_loss_weight": weight / tokens,
+           "delivered_len_mean": float(np.mean(lengths)), "staleness_max": max(m["rollout/staleness_max"] for m in steps),
+           "timeline": list(engine.timeline), "steps": steps}
+    if args.engine == "sim":
+        replicas = len(engine.replicas)
+        bound = cost_model.time_lower_bound_s(engine.cost, tokens=int(tokens), ctx_sum=ctx_sum, prompt_lens=prompt_lens,
+                                              slots=args.slots, replicas=replicas, syncs=args.steps - 1)
+        out.update(limit_tokens_per_s=tokens / bound, time_s=time,
+                   prefill_time_frac=(s_end["prefill_time_s"] - s_start["prefill_time_s"]) / (replicas * time),
+                   kv_bytes_peak=s_end["kv_bytes_peak"], kv_bytes_budget=engine.cost.kv_budget_bytes,
+                   preempted=s_end["preempted"] - s_start["preempted"])
+    return out
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", choices=["sim", "jax"], default="sim")
+    parser.add_argument("--cost", default="h200-qwen3-4b",
+                        help="sim only: a roofline preset (h200-qwen3-4b, h100-qwen3-4b, h200-qwen3-8b) or cpu-jax")
+    parser.add_argument("--replicas", type=int, default=None, help="sim only: engine replicas, one per GPU "
+                        "(default 8 for a roofline preset, 1 for cpu-jax)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slots", type=int, default=None, help="engine slots (default: 256 sim, 64 jax)")
+    parser.add_argument("--slots", type=int, default=None, help="max running requests per replica (default: 256 sim, 64 jax)")
     parser.add_argument("--length-scale", type=float, default=None, help="default: 1.0 sim, 1/32 jax (responses up to 1024 tokens: the largest scale "
                         "that runs in ~6 minutes on 2 cores; at 1/64 half the responses are under 16 tokens "
                         "and per-request costs weigh more than at any real scale)")
     parser.add_argument("--max-response-len", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="default: 64 x length scale, at least 8 (all lengths scaled alike)")
+    parser.add_argument("--over-sampling", type=int, default=64, help="APRIL's over_sampling_batch_size")
+    parser.add_argument("--max-staleness", type=int, default=5)
     parser.add_argument("--prefill-ms-per-token", type=float, default=None,
-                        help="sim only; default: the CPU-calibrated 0.73 (a GPU is ~0.02)")
+                        help="--cost cpu-jax only; default: the CPU-calibrated 0.73")
+    parser.add_argument("--step-overhead-ms", type=float, default=None, help="roofline presets: per decode step (default 1)")
     parser.add_argument("--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free")
     parser.add_argument("--reuse-aborted-kv", action="store_true",
-                        help="resumed requests take their parked KV instead of a re-prefill")
+                        help="APRIL's resumed requests take their parked KV instead of a re-prefill")
     parser.add_argument("--decode-steps-per-call", type=int, default=8, help="jax only")
     parser.add_argument("--png", default=None, help="write busy slots over time for both modes")
+    parser.add_argument("--full", action="store_true", help="also print per-step metrics")
     args = parser.parse_args()
+    if args.replicas is None:
+        args.replicas = 8 if args.engine == "sim" and args.cost != "cpu-jax" else 1
+    if args.engine == "sim" and args.cost != "cpu-jax" and args.cost not in cost_model.PRESETS:
+        parser.error(f"--cost {args.cost!r}: unknown; choose from cpu-jax, {', '.join(cost_model.PRESETS)}")
     if args.slots is None:
         args.slots = 256 if args.engine == "sim" else 64
     if args.length_scale is None:
@@ -144,9 +198,13 @@ def main():
         args.prompt_len = max(8, round(64 * args.length_scale))
     if args.max_response_len is None:
         args.max_response_len = int(32768 * args.length_scale)
+    print(json.dumps(compare(args)))
+
+
+def compare(args) -> dict:
     if args.engine == "sim":
         sync, april = run("sync", args), run("april", args)
-        limits = [SimEngine(slots=args.slots).limit_tokens_per_s()]
+        limits = [april["limit_tokens_per_s"]]
     else:
         # Measured before and after the two runs and averaged: this machine drifts by 10-20% over
         # minutes, and a limit taken at one end only would tilt the fractions.
@@ -159,21 +217,39 @@ def main():
         "length_scale": args.length_scale, "max_response_len": args.max_response_len, "prompt_len": args.prompt_len,
         "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
         "reuse_aborted_kv": args.reuse_aborted_kv, "decode_steps_per_call": args.decode_steps_per_call,
+        "over_sampling": args.over_sampling, "max_staleness": args.max_staleness,
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
         "speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
         "limit_tokens_per_s": round(limit, 1), "limit_before_after": [round(x, 1) for x in limits],
         "april_fraction_of_limit": round(april["tokens_per_s"] / limit, 3),
-        "sync_fraction_of_limit": round(sync["tokens_per_s"] / limit, 3),
+        "sync_fraction_of_limit": round(sync["tokens_per_s"] / sync.get("limit_tokens_per_s", limit), 3),
         "april_occupancy": round(april["occupancy"], 3), "sync_occupancy": round(sync["occupancy"], 3),
         "off_policy_token_frac": round(april["off_policy_token_frac"], 3),
         "april_prefill_tokens_per_response_token": round(april["prefill_tokens_per_response_token"], 2),
         "sync_prefill_tokens_per_response_token": round(sync["prefill_tokens_per_response_token"], 2),
         "dropped_tokens": april["dropped_tokens"],
-        "april_staleness_max": max(m["rollout/staleness_max"] for m in april["steps"]),
+        "april_staleness_max": april["staleness_max"],
     }
-    print(json.dumps(out))
-    if args.png:
+    for name, r in (("april", april), ("sync", sync)):
+        for key in ("on_policy_token_frac", "mean_loss_weight", "delivered_len_mean"):
+            out[f"{name}_{key}"] = round(r[key], 4)
+    if args.engine == "sim":
+        out["cost"] = april_cost = make_engine("sim", 0, args.slots, 1.0, 1, 1, args.prefill_ms_per_token,
+                                               cost=args.cost, step_overhead_ms=args.step_overhead_ms).cost.describe()
+        out["replicas"] = args.replicas
+        budget = april_cost.get("kv_budget_bytes")
+        out["kv_bytes_budget"] = budget
+        out["sync_limit_tokens_per_s"] = round(sync["limit_tokens_per_s"], 1)
+        for name, r in (("april", april), ("sync", sync)):
+            out[f"{name}_prefill_time_frac"] = round(r["prefill_time_frac"], 4)
+            out[f"{name}_kv_bytes_peak"] = r["kv_bytes_peak"]
+            out[f"{name}_preempted"] = r["preempted"]
+            out[f"{name}_time_s"] = round(r["time_s"], 2)
+    if getattr(args, "png", None):
         plot(sync["timeline"], april["timeline"], args)
+    if getattr(args, "full", False):
+        out["april_steps"], out["sync_steps"] = april["steps"], sync["steps"]
+    return out
 
 
 def measure_jax_limit(args) -> float:

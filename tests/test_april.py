@@ -1,5 +1,6 @@
 """APRIL orchestrator on the simulated engine (invariants over many steps) and the JAX engine (resume)."""
 
+import dataclasses
 import itertools
 import json
 
@@ -9,7 +10,9 @@ import pytest
 from april_jax.models import qwen3
 from april_jax.rollout.april import April, RolloutConfig
 from april_jax.rollout.jax_engine import JaxEngine
+from april_jax.rollout import cost_model
 from april_jax.rollout.sim_engine import SimEngine, draw_length
+from april_jax.rollout.sim_replicas import SimReplicas
 from april_jax.rollout.types import PromptRecord, Request, SamplingParams
 
 
@@ -19,8 +22,8 @@ def prompt_stream(prefix="p", length=8, vocab=500, seed=0):
         yield PromptRecord(uid=f"{prefix}{i}", prompt_ids=rng.integers(1, vocab, length).tolist())
 
 
-def run_steps(cfg, steps, reward_fn=None, slots=16, length_scale=1 / 64):
-    engine = SimEngine(slots=slots, seed=1, length_scale=length_scale)
+def run_steps(cfg, steps, reward_fn=None, slots=16, length_scale=1 / 64, engine=None):
+    engine = engine or SimEngine(slots=slots, seed=1, length_scale=length_scale)
     april = April(cfg, prompt_stream(), reward_fn)
     delivered = []
     for step in range(steps):
@@ -42,6 +45,7 @@ def check_invariants(cfg, april, delivered):
                 assert len(s.response_logprobs) == len(s.response_versions) == len(s.response_ids)
                 assert s.staleness(step) <= cfg.max_staleness
                 assert all(v <= step for v in s.response_versions)
+                assert all(np.diff(s.response_versions) >= 0), "versions go back along a response"
     assert len(seen) == len(set(seen)), "a prompt was delivered twice"
     buffered = {g.prompt.uid for g in april.buffer._groups}
     dropped = set(april.dropped)
@@ -63,6 +67,28 @@ def test_invariants_over_many_steps(stale_policy):
     # Some responses were truncated at the budget: the seed's tail exceeds 300 tokens at this scale.
     assert any(m["rollout/truncated_frac"] > 0 for m in metrics)
     assert all(m["rollout/response_len/max"] <= 300 for m in metrics)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_invariants_on_roofline_replicas_with_a_tight_kv_budget(reuse):
+    """Two H200 replicas with room for ~3000 KV tokens each: admission waits, requests are
+    preempted, parked KV competes for the same memory; nothing is lost and the budget holds."""
+    base = cost_model.make("h200-qwen3-4b")
+    hbm = (3000 * base.kv_bytes_per_token + base.weight_bytes + base.activation_reserve_bytes) / base.mem_util
+    cost = cost_model.Roofline(**{**dataclasses.asdict(base), "hbm_bytes": hbm})
+    engine = SimReplicas(2, slots=16, cost=cost, seed=1, length_scale=1 / 16, reuse_aborted_kv=reuse)
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
+                        max_response_len=1500, max_staleness=3, stop_token_ids=(0,))
+    april, engine, delivered = run_steps(cfg, 10, engine=engine)
+    check_invariants(cfg, april, delivered)
+    stats = engine.stats()
+    assert stats["preempted"] > 0 and stats["kv_tokens_peak"] <= cost.kv_budget_tokens
+    assert stats["kv_reused"] > 0 if reuse else stats["kv_reused"] == 0
+    samples = [(len(g.prompt.prompt_ids), len(s.response_ids)) for _, gs, _ in delivered for g in gs for s in g.samples]
+    bound = cost_model.time_lower_bound_s(cost, tokens=sum(n for _, n in samples),
+                                          ctx_sum=sum(cost_model.delivered_ctx_sum(p, n) for p, n in samples),
+                                          prompt_lens=[8] * 40, slots=16, replicas=2, syncs=9)
+    assert bound <= engine.now()
 
 
 def test_resumed_response_ends_where_an_uninterrupted_one_would():

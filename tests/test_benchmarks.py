@@ -8,19 +8,35 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_rollout_benchmark_on_the_sim_engine_prints_the_issue_keys(tmp_path):
-    png = tmp_path / "busy.png"
-    proc = subprocess.run([sys.executable, "rollout.py", "--engine", "sim", "--steps", "4", "--png", str(png)],
-                          cwd=BENCH, capture_output=True, text=True, timeout=300)
+def rollout_json(*args):
+    proc = subprocess.run([sys.executable, "rollout.py", "--engine", "sim", *args], cwd=BENCH, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_rollout_benchmark_on_the_roofline_sim_prints_the_issue_keys(tmp_path):
+    png = tmp_path / "busy.png"
+    out = rollout_json("--cost", "h200-qwen3-4b", "--replicas", "8", "--steps", "4", "--png", str(png))
     for key in ("sync_tokens_per_s", "april_tokens_per_s", "speedup", "limit_tokens_per_s", "april_fraction_of_limit",
-                "sync_fraction_of_limit", "off_policy_token_frac", "dropped_tokens"):
+                "sync_fraction_of_limit", "off_policy_token_frac", "dropped_tokens", "cost", "kv_bytes_budget"):
         assert key in out, key
-    # The seed's long tail leaves the synchronous baseline's slots idle; APRIL keeps them busy.
-    assert out["speedup"] > 1.2 and out["april_occupancy"] > out["sync_occupancy"]
-    assert out["april_tokens_per_s"] <= out["limit_tokens_per_s"]
+    for run in ("april", "sync"):
+        for key in ("prefill_time_frac", "kv_bytes_peak", "on_policy_token_frac", "mean_loss_weight", "delivered_len_mean"):
+            assert f"{run}_{key}" in out, (run, key)
+        assert 0 < out[f"{run}_kv_bytes_peak"] <= out["kv_bytes_budget"]
+    assert out["cost"]["name"] == "h200-qwen3-4b" and out["replicas"] == 8
+    assert out["sync_on_policy_token_frac"] == 1.0 and out["sync_mean_loss_weight"] == 1.0
+    assert out["april_tokens_per_s"] <= out["limit_tokens_per_s"] and out["sync_tokens_per_s"] <= out["sync_limit_tokens_per_s"]
     assert png.stat().st_size > 10_000
+
+
+def test_rollout_benchmark_cpu_model_and_a_bad_preset():
+    out = rollout_json("--cost", "cpu-jax", "--steps", "3")
+    assert out["cost"]["name"] == "cpu-jax" and out["replicas"] == 1 and out["kv_bytes_budget"] is None
+    proc = subprocess.run([sys.executable, "rollout.py", "--engine", "sim", "--cost", "a100"], cwd=BENCH,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--cost 'a100'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_engine_benchmark_runs_and_matches_transformers_greedy():

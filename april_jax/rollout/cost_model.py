@@ -1,0 +1,252 @@
+"""Cost models for the simulated engine: a roofline model of one GPU replica, and the CPU model.
+
+Roofline (`Roofline`, one engine replica on one GPU, bf16 weights and KV):
+    decode step   t = step_overhead + max(bytes / (bw * bw_eff), flops / (peak * flops_eff))
+                  bytes = weight bytes + sum over busy slots of context x KV bytes per token
+                  flops = 2 x matmul params x busy + 4 x layers x q_heads x head_dim x sum of contexts
+    prefill       (2 x matmul params x new tokens + causal attention FLOPs) / (peak * flops_eff)
+    KV budget     hbm * mem_util - weight bytes - activation reserve
+    weight sync   weight bytes / sync_bw (every replica at once, in parallel)
+    abort         one step_overhead per abort call + abort_per_request_s per request
+
+Public figures (NVIDIA datasheets): H100 SXM 80 GB HBM3 at 3.35 TB/s; H200 SXM 141 GB HBM3e at
+4.8 TB/s; both 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity) and NVLink 4 at 900 GB/s
+(both directions together, so 450 GB/s one way). GB here is 1e9 bytes, as the datasheets write.
+Model shapes come from `april_jax.models.qwen3.PRESETS` (the official config.json values):
+Qwen3-4B 36 layers, 32 query / 8 KV heads, head_dim 128, tied embeddings, 4.02B parameters;
+Qwen3-8B 36 layers, 32 / 8 heads, head_dim 128, untied, 8.19B. KV per token = 2 (K and V) x
+layers x KV heads x head_dim x 2 bytes = 147,456 bytes for both.
+
+Assumptions (not public specs; stated so they can be argued with; the sweep varies the first):
+    step_overhead 1 ms   scheduler + sampling + launches per decode step with CUDA graphs
+    bw_eff 0.85          memory-bound kernels reach ~85% of peak HBM bandwidth
+    flops_eff 0.5        prefill / compute-bound decode at 50% of dense bf16 peak
+    mem_util 0.9         vLLM's default gpu_memory_utilization
+    activation reserve 2 GB, abort 20 us per request
+Weight sync at NVLink speed is a lower bound on a real sync (gathers, bucketing); both runs pay it.
+
+`LinearCPU` is the earlier CPU-calibrated model (the embedded JAX engine on the project's 2-core
+machines, 40M model): a decode step costs t0 + c x busy, prefill p per token, no memory limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The config.json fields the cost depends on (tests check them against qwen3.PRESETS; kept
+    here so the simulator does not import JAX)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+
+
+MODELS = {
+    "qwen3-4b": ModelShape(151936, 2560, 9728, 36, 32, 8, 128, True),
+    "qwen3-8b": ModelShape(151936, 4096, 12288, 36, 32, 8, 128, False),
+}
+
+
+def matmul_params(cfg: ModelShape) -> tuple[int, int]:
+    """(all parameters, parameters in matmuls per token): the input embedding is a lookup, so an
+    untied model's matmuls skip it; a tied model's lm_head is the embedding matrix."""
+    h, L, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h + 2 * cfg.head_dim  # + norms
+    embed = cfg.vocab_size * h
+    total = L * per_layer + h + embed * (1 if cfg.tie_word_embeddings else 2)
+    return total, total - (0 if cfg.tie_word_embeddings else embed)
+
+
+def span_of_max_lines(n: int, a1: float, b1: float, a2: float, b2: float) -> float:
+    """sum_{j=0}^{n-1} max(a1 + b1 j, a2 + b2 j), exactly (two lines cross at most once)."""
+    if n <= 0:
+        return 0.0
+    line = lambda a, b, lo, hi: (hi - lo) * a + b * (hi * (hi - 1) - lo * (lo - 1)) / 2  # sum over j in [lo, hi)
+    if b1 == b2:
+        return line(max(a1, a2), b1, 0, n)
+    cross = (a2 - a1) / (b1 - b2)  # line 1 >= line 2 for j >= cross when b1 > b2
+    k = min(n, max(0, math.ceil(cross)))
+    first, second = ((a2, b2), (a1, b1)) if b1 > b2 else ((a1, b1), (a2, b2))
+    return line(*first, 0, k) + line(*second, k, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    name: str
+    hbm_bytes: float
+    hbm_bw: float  # bytes/s
+    peak_flops: float  # dense bf16
+    model: str  # key of MODELS (= qwen3.PRESETS)
+    step_overhead_s: float = 1e-3
+    bw_eff: float = 0.85
+    flops_eff: float = 0.5
+    mem_util: float = 0.9
+    activation_reserve_bytes: float = 2 * GB
+    sync_bw: float = 450 * GB
+    abort_per_request_s: float = 20e-6
+    dtype_bytes: int = 2
+
+    @property
+    def cfg(self) -> ModelShape:
+        return MODELS[self.model]
+
+    @property
+    def params(self) -> int:
+        return matmul_params(self.cfg)[0]
+
+    @property
+    def weight_bytes(self) -> float:
+        return matmul_params(self.cfg)[0] * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.cfg
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype_bytes
+
+    @property
+    def kv_budget_bytes(self) -> float:
+        return self.hbm_bytes * self.mem_util - self.weight_bytes - self.activation_reserve_bytes
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        return int(self.kv_budget_bytes // self.kv_bytes_per_token)
+
+    @property
+    def _attn_flops_per_ctx(self) -> float:  # QK^T and PV, 2 FLOPs per multiply-add each
+        c = self.cfg
+        return 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
+
+    def _lines(self, busy: int, ctx0: int):
+        """Per-step memory and compute time as lines in the step index j (contexts grow by busy per step)."""
+        bw, fl = self.hbm_bw * self.bw_eff, self.peak_flops * self.flops_eff
+        mm = matmul_params(self.cfg)[1]
+        kvb, att = self.kv_bytes_per_token, self._attn_flops_per_ctx
+        mem = ((mm * self.dtype_bytes + ctx0 * kvb) / bw, busy * kvb / bw)
+        comp = ((2 * mm * busy + att * ctx0) / fl, busy * att / fl)
+        return mem, comp
+
+    def decode_span_s(self, busy: int, ctx_sum: int, steps: int) -> float:
+        """`steps` decode steps of `busy` slots whose contexts sum to `ctx_sum` at the first step."""
+        if steps <= 0 or busy <= 0:
+            return 0.0
+        (a1, b1), (a2, b2) = self._lines(busy, ctx_sum)
+        return steps * self.step_overhead_s + span_of_max_lines(steps, a1, b1, a2, b2)
+
+    def decode_step_s(self, busy: int, ctx_sum: int) -> float:
+        return self.decode_span_s(busy, ctx_sum, 1)
+
+    def prefill_s(self, new_tokens: int, cached: int = 0) -> float:
+        """Prefill of `new_tokens` after `cached` tokens already in KV (causal attention over both)."""
+        if new_tokens <= 0:
+            return 0.0
+        mm = matmul_params(self.cfg)[1]
+        positions = new_tokens * cached + new_tokens * (new_tokens + 1) / 2  # keys each new token attends to
+        return (2 * mm * new_tokens + self._attn_flops_per_ctx * positions) / (self.peak_flops * self.flops_eff)
+
+    def weight_sync_s(self) -> float:
+        return self.weight_bytes / self.sync_bw
+
+    def abort_s(self, n_requests: int) -> float:
+        return self.step_overhead_s + self.abort_per_request_s * n_requests if n_requests else 0.0
+
+    def describe(self) -> dict:
+        return {"name": self.name, "model": self.model, "params": self.params, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token, "kv_budget_bytes": self.kv_budget_bytes,
+                "kv_budget_tokens": self.kv_budget_tokens, "hbm_bytes": self.hbm_bytes, "hbm_bw": self.hbm_bw,
+                "peak_flops": self.peak_flops, "step_overhead_s": self.step_overhead_s, "bw_eff": self.bw_eff,
+                "flops_eff": self.flops_eff, "mem_util": self.mem_util,
+                "activation_reserve_bytes": self.activation_reserve_bytes, "sync_bw": self.sync_bw}
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCPU:
+    """decode step t0 + c * busy; prefill p per token; no memory limit; abort and weight sync free."""
+
+    t0: float
+    c: float = 0.0
+    p: float = 0.00073
+    name: str = "cpu-jax"
+    kv_bytes_per_token: int = 0
+    kv_budget_tokens: float = math.inf
+    kv_budget_bytes: float = math.inf
+
+    @classmethod
+    def for_slots(cls, slots: int, **kw) -> "LinearCPU":
+        # The embedded JAX engine computes every slot each step, busy or idle: flat in busy.
+        return cls(t0=0.010 + 0.00094 * slots, **kw)
+
+    def decode_span_s(self, busy: int, ctx_sum: int, steps: int) -> float:
+        return steps * (self.t0 + self.c * busy) if busy > 0 and steps > 0 else 0.0
+
+    def decode_step_s(self, busy: int, ctx_sum: int) -> float:
+        return self.decode_span_s(busy, ctx_sum, 1)
+
+    def prefill_s(self, new_tokens: int, cached: int = 0) -> float:
+        return self.p * max(new_tokens, 0)
+
+    def weight_sync_s(self) -> float:
+        return 0.0
+
+    def abort_s(self, n_requests: int) -> float:
+        return 0.0
+
+    def describe(self) -> dict:
+        return {"name": self.name, "t0": self.t0, "c": self.c, "p": self.p}
+
+
+H100_SXM = dict(hbm_bytes=80 * GB, hbm_bw=3.35e12, peak_flops=989e12)
+H200_SXM = dict(hbm_bytes=141 * GB, hbm_bw=4.8e12, peak_flops=989e12)
+PRESETS = {
+    "h200-qwen3-4b": dict(H200_SXM, model="qwen3-4b"),
+    "h100-qwen3-4b": dict(H100_SXM, model="qwen3-4b"),
+    "h200-qwen3-8b": dict(H200_SXM, model="qwen3-8b"),
+}
+
+
+def make(preset: str, slots: int = 256, **overrides):
+    """A cost model by name: a roofline preset, or 'cpu-jax' (whose step time depends on `slots`)."""
+    if preset == "cpu-jax":
+        return LinearCPU.for_slots(slots, **overrides)
+    if preset not in PRESETS:
+        raise ValueError(f"--cost {preset!r}: unknown; choose from {', '.join(['cpu-jax', *PRESETS])}")
+    return Roofline(name=preset, **PRESETS[preset], **overrides)
+
+
+def delivered_ctx_sum(prompt_len: int, response_len: int) -> int:
+    """Sum of the contexts the decode steps of one response read: token i reads prompt + i."""
+    return response_len * prompt_len + response_len * (response_len - 1) // 2
+
+
+def time_lower_bound_s(cost, *, tokens: int, ctx_sum: int, prompt_lens: list[int], slots: int, replicas: int,
+                       syncs: int = 0) -> float:
+    """Least engine time in which `replicas` replicas can decode `tokens` tokens whose contexts sum to
+    `ctx_sum`, prefill each prompt (one per group: `prompt_lens`) once, and do `syncs` weight syncs, under `cost`.
+
+    A true lower bound for any schedule under the same memory: every step decodes at most `slots`
+    tokens per replica and reads at most the KV budget, so the steps summed over replicas are at
+    least max(tokens / slots, ctx_sum / budget); a step costs at least its overhead plus the larger
+    of its bytes and FLOPs terms, and sum(max) >= max(sum); work is split across replicas at will
+    (no group or sequence constraint), so the bound is the total divided by `replicas`.
+    """
+    if isinstance(cost, LinearCPU):
+        decode = tokens * (cost.t0 / slots + cost.c)
+        return (decode + sum(cost.prefill_s(p) for p in prompt_lens)) / replicas + syncs * cost.weight_sync_s()
+    steps = max(tokens / slots, ctx_sum / cost.kv_budget_tokens)
+    mm = matmul_params(cost.cfg)[1]
+    bw, fl = cost.hbm_bw * cost.bw_eff, cost.peak_flops * cost.flops_eff
+    mem = (steps * mm * cost.dtype_bytes + ctx_sum * cost.kv_bytes_per_token) / bw
+    comp = (2 * mm * tokens + cost._attn_flops_per_ctx * ctx_sum) / fl
+    decode = steps * cost.step_overhead_s + max(mem, comp)
+    return (decode + sum(cost.prefill_s(p) for p in prompt_lens)) / replicas + syncs * cost.weight_sync_s()

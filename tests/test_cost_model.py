@@ -1,0 +1,97 @@
+"""The roofline cost model against figures worked out by hand from the public specs."""
+
+import dataclasses
+
+import pytest
+
+from april_jax.models import qwen3
+from april_jax.rollout import cost_model as cm
+
+# Qwen3-4B by hand: tied 151936 x 2560 embedding; per layer q/o 2560x4096, k/v 2560x1024,
+# MLP 3 x 2560x9728, four norms (2 x 2560 + 2 x 128); a final norm.
+QWEN3_4B_PARAMS = 151936 * 2560 + 36 * (2 * 2560 * 4096 + 2 * 2560 * 1024 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128) + 2560
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b"])
+def test_model_shapes_are_the_hf_config_values(name):
+    shape, preset = cm.MODELS[name], qwen3.PRESETS[name]
+    for field in dataclasses.fields(shape):
+        assert getattr(shape, field.name) == getattr(preset, field.name), field.name
+
+
+def test_parameter_counts():
+    assert QWEN3_4B_PARAMS == 4_022_468_096
+    assert cm.make("h200-qwen3-4b").params == QWEN3_4B_PARAMS
+    assert 8.15e9 < cm.make("h200-qwen3-8b").params < 8.25e9  # the model card's 8.2B
+
+
+def test_kv_bytes_and_budget():
+    h200 = cm.make("h200-qwen3-4b")
+    assert h200.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2 == 147_456
+    assert h200.kv_budget_bytes == pytest.approx(0.9 * 141e9 - 2 * QWEN3_4B_PARAMS - 2e9)  # 116.86 GB
+    assert h200.kv_budget_tokens == int((0.9 * 141e9 - 2 * QWEN3_4B_PARAMS - 2e9) // 147_456) == 792_474
+    h100 = cm.make("h100-qwen3-4b")
+    assert h100.kv_budget_bytes == pytest.approx(0.9 * 80e9 - 2 * QWEN3_4B_PARAMS - 2e9)  # 61.96 GB
+
+
+def test_decode_step_at_batch_16_and_context_4096():
+    cost = cm.make("h200-qwen3-4b")
+    busy, ctx = 16, 16 * 4096
+    mem_s = (2 * QWEN3_4B_PARAMS + ctx * 147_456) / (4.8e12 * 0.85)  # 17.7 GB at 4.08 TB/s: 4.340 ms
+    flops_s = (2 * QWEN3_4B_PARAMS * busy + 4 * 36 * 32 * 128 * ctx) / (989e12 * 0.5)  # 0.339 ms
+    assert mem_s > flops_s
+    assert cost.decode_step_s(busy, ctx) == pytest.approx(1e-3 + mem_s)
+    assert cost.decode_step_s(busy, ctx) == pytest.approx(5.340e-3, rel=1e-3)
+
+
+def test_prefill_of_1000_tokens_with_and_without_cached_prefix():
+    cost = cm.make("h200-qwen3-4b")
+    attn = 4 * 36 * 32 * 128
+    assert cost.prefill_s(1000) == pytest.approx((2 * QWEN3_4B_PARAMS * 1000 + attn * 1000 * 1001 / 2) / 494.5e12)
+    assert cost.prefill_s(1000, cached=500) == pytest.approx(
+        (2 * QWEN3_4B_PARAMS * 1000 + attn * (1000 * 500 + 1000 * 1001 / 2)) / 494.5e12)
+    assert cost.prefill_s(1000) == pytest.approx(16.87e-3, rel=1e-3)  # 8.04 + 0.30 TFLOP at 494.5 TFLOP/s
+
+
+@pytest.mark.parametrize("peak", [989e12, 2e12])  # memory-bound; compute-bound crossing mid-span
+def test_decode_span_is_the_sum_of_its_steps(peak):
+    cost = dataclasses.replace(cm.make("h100-qwen3-4b"), peak_flops=peak)
+    busy, ctx0, steps = 24, 50_000, 700
+    by_step = sum(cost.decode_step_s(busy, ctx0 + busy * j) for j in range(steps))
+    assert cost.decode_span_s(busy, ctx0, steps) == pytest.approx(by_step, rel=1e-9)
+
+
+def test_span_of_max_lines_crossing():
+    assert cm.span_of_max_lines(5, 0.0, 2.0, 5.0, 0.0) == sum(max(2.0 * j, 5.0) for j in range(5))
+    assert cm.span_of_max_lines(5, 5.0, 0.0, 0.0, 2.0) == sum(max(2.0 * j, 5.0) for j in range(5))
+
+
+def test_weight_sync_and_abort():
+    cost = cm.make("h200-qwen3-8b")
+    assert cost.weight_sync_s() == pytest.approx(2 * cost.params / 450e9)
+    assert cost.abort_s(0) == 0.0 and cost.abort_s(100) == pytest.approx(1e-3 + 100 * 20e-6)
+
+
+def test_cpu_model_is_the_old_linear_one():
+    cost = cm.make("cpu-jax", slots=256)
+    assert cost.decode_step_s(7, 10**6) == pytest.approx(0.010 + 0.00094 * 256)
+    assert cost.prefill_s(100) == pytest.approx(0.073)
+
+
+def test_unknown_preset_names_itself():
+    with pytest.raises(ValueError, match="--cost 'a100'"):
+        cm.make("a100")
+
+
+def test_lower_bound_takes_the_memory_budget_into_account():
+    cost = cm.make("h200-qwen3-4b")
+    few = cm.time_lower_bound_s(cost, tokens=1000, ctx_sum=1000 * 100, prompt_lens=[], slots=256, replicas=1)
+    mem = 1000 / 256 * 2 * QWEN3_4B_PARAMS / 4.08e12 + 1000 * 100 * 147_456 / 4.08e12
+    flops = (2 * QWEN3_4B_PARAMS * 1000 + 4 * 36 * 32 * 128 * 1000 * 100) / 494.5e12  # short contexts: compute-bound
+    assert flops > mem and few == pytest.approx(1000 / 256 * 1e-3 + flops)
+    # Long contexts: the budget, not the slots, caps the tokens per step.
+    ctx = 1000 * 30_000
+    long = cm.time_lower_bound_s(cost, tokens=1000, ctx_sum=ctx, prompt_lens=[], slots=256, replicas=1)
+    steps = ctx / 792_474
+    assert steps > 1000 / 256
+    assert long == pytest.approx(steps * (1e-3 + 2 * QWEN3_4B_PARAMS / 4.08e12) + ctx * 147_456 / 4.08e12)
