@@ -72,13 +72,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.reuse_aborted_kv = False  # jax engine: resume partials from their parked KV (no re-prefill)
     c.rollout.free_kv_cache_in_train = True  # jax engine: free its KV cache during train steps (verl's free_cache_engine)
 
-    c.loss = ml_collections.ConfigDict(dict(LossConfig().__dict__))
+    # loss.max_staleness is not a key: the loss masks exactly what rollout.max_staleness allows
+    c.loss = ml_collections.ConfigDict({k: v for k, v in LossConfig().__dict__.items() if k != "max_staleness"})
+    c.loss.norm_len = 0  # seq-mean-token-sum-norm's constant; 0: rollout.max_response_len
+    c.loss.ref_path = ""  # KL reference (HF checkpoint dir) when kl_coef > 0; empty: the initial policy
     c.loss.clip_c = 0.0  # dual-clip constant for negative advantages (e.g. 3.0); 0: off
     c.loss.advantage = "grpo"  # "grpo", "drgrpo", "rloo"
     c.loss.advantage_batch_norm = False
     c.loss.tis = "token"
 
     c.optimizer = ml_collections.ConfigDict(dict(OptimizerConfig().__dict__))
+    c.optimizer.total_steps = 0  # optimiser steps of the cosine schedule; 0: train.total_steps x train.num_iterations
 
     c.train = ml_collections.ConfigDict()
     c.train.total_steps = 100
@@ -158,6 +162,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                 "rollout.decode_steps_per_call"):
         if given[key] <= 0:
             raise ConfigError(f"config key {key!r}={given[key]}: must be > 0")
+    for key in ("loss.norm_len", "optimizer.total_steps", "loss.kl_coef"):
+        if given[key] < 0:
+            raise ConfigError(f"config key {key!r}={given[key]}: must be >= 0")
     batch = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
     if c.train.micro_batch_size and batch % c.train.micro_batch_size:
         raise ConfigError(f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "
@@ -182,10 +189,11 @@ def rollout_cfg(c, stop_token_ids=()) -> RolloutConfig:
 
 
 def loss_cfg(c) -> LossConfig:
-    fields = {k: c.loss[k] for k in LossConfig().__dict__}
+    fields = {k: c.loss[k] for k in LossConfig().__dict__ if k != "max_staleness"}
     fields["tis"] = None if fields["tis"] in ("", "none", None) else fields["tis"]
     fields["clip_c"] = fields["clip_c"] or None
-    fields["norm_len"] = c.rollout.max_response_len
+    fields["norm_len"] = c.loss.norm_len or c.rollout.max_response_len
+    fields["max_staleness"] = c.rollout.max_staleness
     try:
         return LossConfig(**fields).validate()
     except ValueError as e:
@@ -193,7 +201,10 @@ def loss_cfg(c) -> LossConfig:
 
 
 def optimizer_cfg(c) -> OptimizerConfig:
-    return OptimizerConfig(**{k: c.optimizer[k] for k in OptimizerConfig().__dict__})
+    fields = {k: c.optimizer[k] for k in OptimizerConfig().__dict__}
+    # the schedule counts optimiser steps: one per PPO epoch of every train step
+    fields["total_steps"] = c.optimizer.total_steps or c.train.total_steps * c.train.num_iterations
+    return OptimizerConfig(**fields)
 
 
 def fail(message: str) -> "None":

@@ -61,6 +61,7 @@ def load_config(argv: list[str]):
         c.data.train_path = assets.resolve(c.data.train_path)
         c.data.eval_path = assets.resolve(c.data.eval_path)
         c.data.tokenizer_path = assets.resolve(c.data.tokenizer_path)
+        c.loss.ref_path = assets.resolve(c.loss.ref_path)
     return c
 
 
@@ -105,6 +106,29 @@ def build_model(c, mesh, vocab_size):
     else:
         raise ConfigError(f"config key 'model.arch'={c.model.arch!r}: expected 'tiny' or one of {sorted(qwen3.PRESETS)}")
     return qwen3.init_model(cfg, seed=c.seed, mesh=mesh)
+
+
+def build_reference(c, mesh, model, workdir: Path, fresh: bool):
+    """The frozen KL reference, or None (no KL, or the Trainer copies the initial params).
+
+    loss.ref_path if set; else the initial policy. After a supervised warm-up the initial policy
+    cannot be rebuilt from the config on resume, so a fresh run saves it to WORKDIR/reference.
+    """
+    from april_jax.models import qwen3
+
+    if not c.loss.kl_coef:
+        return None
+    path = c.loss.ref_path
+    if not path and c.warmup.steps:
+        path = str(workdir / "reference")
+        if fresh:
+            qwen3.save_pretrained(model, path)
+            return None
+    if not path:
+        return None
+    return qwen3.from_pretrained(path, dtype=qwen3.as_dtype(c.model.dtype), mesh=mesh,
+                                 compute_dtype=qwen3.as_dtype(c.model.compute_dtype), remat=c.model.remat,
+                                 attention_impl=c.model.attention_impl)
 
 
 def build_engine(c, model, max_model_len: int, version: int):
@@ -191,7 +215,8 @@ def run(c) -> dict:
                             batch_size=c.warmup.batch_size, seed=c.seed)
         print(f"supervised warm-up: {c.warmup.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=sys.stderr)
     trainer = Trainer(model, config_lib.loss_cfg(c), config_lib.optimizer_cfg(c), mesh=mesh,
-                      micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0)
+                      micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0,
+                      reference=build_reference(c, mesh, model, workdir, fresh=latest is None))
 
     def score(sample, prompt):
         r = reward.score(sample.response_ids, prompt.answer)
@@ -228,8 +253,7 @@ def run(c) -> dict:
                 raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
             batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
             engine.sleep()
-            for _ in range(c.train.num_iterations):
-                metrics.update(trainer.step(batch, version))
+            metrics.update(trainer.update(batch, version, c.train.num_iterations))  # pi_old once, then epochs
             t2 = time.perf_counter()
             version += 1
             engine.wake_up()

@@ -54,7 +54,8 @@ def np_loss(cfg, logp, old, behav, adv, mask, versions, cur, ref=None, entropy=N
     loss = np_agg(pg * w * decay, keep, cfg.loss_agg_mode, cfg.norm_len)
     if ref is not None and cfg.kl_coef:
         d = logp - ref
-        kl = {"k1": d, "k2": 0.5 * d ** 2, "k3": np.clip(np.exp(-d) + d - 1, -10, 10)}[cfg.kl_type]
+        c = np.clip(-d, -20, 20)  # verl's low_var_kl clamps ref - logp before the exp
+        kl = {"k1": d, "k2": 0.5 * d ** 2, "k3": np.clip(np.exp(c) - c - 1, -10, 10)}[cfg.kl_type]
         loss += cfg.kl_coef * np_agg(kl, keep, cfg.loss_agg_mode, cfg.norm_len)
     if entropy is not None and cfg.entropy_coef:
         loss -= cfg.entropy_coef * np_agg(entropy, keep, cfg.loss_agg_mode, cfg.norm_len)

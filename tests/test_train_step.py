@@ -110,3 +110,36 @@ def test_grpo_raises_reward_on_a_tiny_task():
         engine.update_weights(trainer.nnx_state(), version + 1)
     first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
     assert last > first + 0.3, rewards
+
+
+def masked_mean(x, mask):
+    return float(np.where(mask > 0, x, 0).sum() / mask.sum())
+
+
+def test_pi_old_is_fixed_per_rollout_batch_so_epoch_2_can_clip():
+    """verl computes pi_old once per rollout batch: from the second PPO epoch on the ratio leaves 1
+    and the clip binds. Recomputing it every epoch (what an unprepared `step` does) never clips."""
+    batch = random_batch(seed=5, stale=False)
+    trainer = Trainer(qwen3.init_model(CFG, seed=6), LossConfig(clip_eps_low=0.05, clip_eps_high=0.05, tis=None),
+                      OptimizerConfig(lr=3e-2))
+    before = np.asarray(trainer.logprobs(batch["input_ids"]))
+    prepared = trainer.prepare(batch)
+    np.testing.assert_array_equal(np.asarray(prepared["old_logp"]), before)
+    epoch1 = trainer.step(prepared, 4)
+    assert abs(epoch1["train/ppo_kl"]) < 1e-6 and epoch1["train/pg_clipfrac"] == 0  # pi == pi_old (to rounding)
+    after1 = np.asarray(trainer.logprobs(batch["input_ids"]))
+    ratio = np.exp(after1 - before)[batch["loss_mask"] > 0]
+    assert np.abs(ratio - 1).max() > 0.05
+    epoch2 = trainer.step(prepared, 4)
+    np.testing.assert_array_equal(np.asarray(prepared["old_logp"]), before)  # untouched by the epochs
+    np.testing.assert_allclose(epoch2["train/ppo_kl"], masked_mean(before - after1, batch["loss_mask"]), rtol=1e-4)
+    r, A = np.exp(after1 - before), batch["advantages"][:, None]
+    clipped = ((A > 0) & (r > 1.05)) | ((A < 0) & (r < 0.95))  # where PPO's min picks the clipped term
+    np.testing.assert_allclose(epoch2["train/pg_clipfrac"], masked_mean(clipped, batch["loss_mask"]), atol=1e-6)
+    assert epoch2["train/pg_clipfrac"] > 0
+    # the path train.py takes: pi_old once, then num_iterations steps (metrics averaged over epochs)
+    update = trainer.update(batch, 4, num_iterations=2)
+    assert update["train/pg_clipfrac"] > 0 and abs(update["train/ppo_kl"]) > 1e-4
+    # the bug this replaces: pi_old recomputed before each epoch keeps the ratio at exactly 1
+    recomputed = [trainer.step(batch, 4) for _ in range(2)]
+    assert all(m["train/pg_clipfrac"] == 0 and abs(m["train/ppo_kl"]) < 1e-6 for m in recomputed)

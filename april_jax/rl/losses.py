@@ -12,7 +12,11 @@ Mixed-policy correction (APRIL: a response may span several policy versions):
     s      = current_version - token_version; tokens with s > max_staleness are masked,
              the rest weighted decay ** s.
     per-token loss = pg * w_tis * decay ** s
-KL to a reference (k1, k2, k3) and an entropy bonus are added with their coefficients.
+KL to a frozen reference policy (verl's use_kl_loss, `kl_coef * agg(kl_BT)`) and an entropy bonus
+are added with their coefficients. Per token, with d = logp - ref_logp (verl's kl_penalty):
+    k1: d        k2: d^2 / 2        k3 (low_var_kl): clip(exp(c) - c - 1, -10, 10), c = clip(-d, -20, 20)
+Positions outside the mask enter as d = 0 before the exp, so padding with any logp (say -1e4)
+cannot turn the gradient into inf * 0 = NaN.
 
 Aggregation (`loss_agg_mode`) counts only tokens within the staleness cap, and takes its
 denominators from `denoms` (of `effective_mask` over the whole batch) so that micro-batches of one
@@ -38,7 +42,7 @@ class LossConfig:
     clip_eps_high: float = 0.28
     clip_c: float | None = None  # dual clip for negative advantages, e.g. 3.0
     loss_agg_mode: str = "token-mean"
-    norm_len: int = 1024  # seq-mean-token-sum-norm's constant (the generation budget)
+    norm_len: int = 1024  # seq-mean-token-sum-norm's constant (the generation budget); config 0: max_response_len
     kl_coef: float = 0.0
     kl_type: str = "k3"
     entropy_coef: float = 0.0
@@ -57,6 +61,10 @@ class LossConfig:
         if self.policy_loss == "gspo" and self.tis == "token":
             raise ValueError("loss.tis='token' with loss.policy_loss='gspo': GSPO weighs whole sequences; "
                              "use loss.tis='sequence' or None")
+        if self.norm_len <= 0:
+            raise ValueError(f"loss.norm_len={self.norm_len}: must be > 0")
+        if self.kl_coef < 0:
+            raise ValueError(f"loss.kl_coef={self.kl_coef}: must be >= 0")
         if not 0 < self.staleness_decay <= 1:
             raise ValueError(f"loss.staleness_decay={self.staleness_decay}: must be in (0, 1]")
         return self
@@ -87,13 +95,19 @@ def aggregate(x_BT, mask_BT, mode: str, denoms: dict, norm_len: int = 1024):
     raise ValueError(f"loss.loss_agg_mode={mode!r}: expected one of {AGG_MODES}")
 
 
-def kl_penalty(logp_BT, ref_logp_BT, kind: str):
+def kl_penalty(logp_BT, ref_logp_BT, kind: str, mask_BT=None):
+    """Per-token KL estimate of pi vs the reference (verl's kl_penalty); 0 outside `mask_BT`."""
     d = logp_BT - ref_logp_BT
+    if mask_BT is not None:
+        d = jnp.where(mask_BT.astype(bool), d, 0.0)  # before the exp: a masked -1e4 must not reach it
     if kind == "k1":
         return d
     if kind == "k2":
         return 0.5 * d * d
-    return jnp.clip(jnp.exp(-d) + d - 1.0, -10.0, 10.0)  # k3: exp(ref - logp) - (ref - logp) - 1
+    if kind == "k3":  # low_var_kl: exp(ref - logp) - (ref - logp) - 1, both clamps as in verl
+        c = jnp.clip(-d, -20.0, 20.0)
+        return jnp.clip(jnp.exp(c) - c - 1.0, -10.0, 10.0)
+    raise ValueError(f"loss.kl_type={kind!r}: expected one of ('k1', 'k2', 'k3')")
 
 
 def _masked_mean(x_BT, mask_BT):
@@ -149,8 +163,8 @@ def policy_loss(cfg: LossConfig, *, logp_BT, old_logp_BT, behaviour_logp_BT, adv
         "train/stale_masked_frac": _masked_mean((~fresh_enough).astype(jnp.float32), mask),
     }
     if ref_logp_BT is not None and cfg.kl_coef:
-        kl = aggregate(kl_penalty(logp_BT, jax.lax.stop_gradient(ref_logp_BT), cfg.kl_type), mask_eff,
-                       cfg.loss_agg_mode, denoms, cfg.norm_len)
+        kl_BT = kl_penalty(logp_BT, jax.lax.stop_gradient(ref_logp_BT), cfg.kl_type, mask_eff)
+        kl = aggregate(kl_BT, mask_eff, cfg.loss_agg_mode, denoms, cfg.norm_len)
         loss = loss + cfg.kl_coef * kl
         metrics["train/kl"] = kl
     if entropy_BT is not None:

@@ -10,7 +10,14 @@ and counted.
 
 Batch (numpy or jax, S = padded prompt + response length, T = S - 1 prediction positions):
     input_ids [B, S] int32; loss_mask [B, T] (1 where the target token is a response token);
-    behaviour_logp [B, T]; versions [B, T] int32; advantages [B]; optional ref_logp [B, T].
+    behaviour_logp [B, T]; versions [B, T] int32; advantages [B]; optional old_logp, ref_logp [B, T].
+
+Per rollout batch (`update`, as verl): `prepare` fixes pi_old (the logprobs of the params before
+the first epoch, or the behaviour logprobs when pi_old='bypass') and, when kl_coef > 0, the frozen
+reference's logprobs; then `num_iterations` optimiser steps (PPO epochs) reuse both, so from the
+second epoch on the ratio pi / pi_old moves away from 1 and the clip can bind. The reference is
+the initial params (or a given model), kept on the mesh with the policy's shardings; with
+kl_coef == 0 none is kept.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from april_jax.rl.losses import LossConfig, denominators, effective_mask, policy
 class OptimizerConfig:
     lr: float = 1e-6
     warmup_steps: int = 0
-    total_steps: int = 1000
+    total_steps: int = 1000  # optimiser steps the cosine schedule spans (train config 0: derived from train.*)
     schedule: str = "constant"  # or "cosine"
     weight_decay: float = 0.0
     b1: float = 0.9
@@ -43,17 +50,21 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Learning rate per optimiser step (one step per `Trainer.step`, i.e. per PPO epoch)."""
     if cfg.schedule not in ("constant", "cosine"):
         raise ValueError(f"optimizer.schedule={cfg.schedule!r}: expected 'constant' or 'cosine'")
     warmup = max(cfg.warmup_steps, 0)
     if cfg.schedule == "cosine":
-        schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(warmup, 1), max(cfg.total_steps, warmup + 1))
-    elif warmup:
-        schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
-                                        [warmup])
-    else:
-        schedule = optax.constant_schedule(cfg.lr)
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(warmup, 1), max(cfg.total_steps, warmup + 1))
+    if warmup:
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
+                                    [warmup])
+    return optax.constant_schedule(cfg.lr)
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    schedule = make_schedule(cfg)
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
                        optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay))
 
@@ -87,7 +98,9 @@ class Trainer:
     """Holds params + optimiser state on the mesh and runs policy updates."""
 
     def __init__(self, model: Qwen3, loss_cfg: LossConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
-                 micro_batch_size: int | None = None, temperature: float = 1.0):
+                 micro_batch_size: int | None = None, temperature: float = 1.0, reference: Qwen3 | None = None):
+        """`reference`: the frozen KL reference (same architecture); None: the initial params.
+        Only kept when loss_cfg.kl_coef > 0."""
         self.loss_cfg = loss_cfg.validate()
         self.opt_cfg = opt_cfg
         self.mesh = mesh
@@ -113,6 +126,20 @@ class Trainer:
             self.params = nnx.to_pure_dict(state)
             self.opt_state = jax.jit(self.tx.init)(self.params)
         self._step_fns: dict = {}
+        self.ref_params = self._reference_params(reference) if self.loss_cfg.kl_coef else None
+
+    def _reference_params(self, reference: Qwen3 | None):
+        """A device copy of the reference's params with the policy's shardings (never via the host).
+        The policy's own buffers are donated to every step, so the initial params are copied."""
+        if reference is not None:
+            source = nnx.to_pure_dict(nnx.state(reference))
+            describe = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+            if describe(source) != describe(self.params):
+                raise ValueError("loss.ref_path: the reference model's parameter shapes/dtypes differ from the policy's")
+            # already on the mesh when loaded with it: then a no-op
+            return source if self.mesh is None else jax.device_put(source, self.param_shardings)
+        kw = {} if self.mesh is None else dict(out_shardings=self.param_shardings)
+        return jax.jit(lambda p: jax.tree.map(jnp.copy, p), **kw)(self.params)
 
     # ---- model views ----
     def model(self, params=None) -> Qwen3:
@@ -154,6 +181,8 @@ class Trainer:
         if key not in self._step_fns:
             if kind == "logprobs":
                 self._step_fns[key] = jax.jit(partial(self._logprobs_impl, n_micro))
+            elif kind == "grads":
+                self._step_fns[key] = jax.jit(partial(self._grads_impl, n_micro))
             else:
                 kw = {}
                 if self.mesh is not None:
@@ -167,15 +196,33 @@ class Trainer:
         logp = jax.lax.map(lambda ids: token_logprobs(model, ids, self.temperature)[0], micro)
         return logp.reshape(input_ids_BS.shape[0], -1)
 
-    # ---- the update ----
-    def step(self, batch: dict, current_version: int) -> dict:
-        """One optimiser step on `batch` (see module docstring); fills old_logp if needed."""
-        batch = dict(batch)
-        if self.loss_cfg.pi_old == "recompute" and batch.get("old_logp") is None:
-            batch["old_logp"] = self.logprobs(batch["input_ids"])
-        if batch.get("old_logp") is None:
-            batch["old_logp"] = batch["behaviour_logp"]
+    def prepare(self, batch: dict) -> dict:
+        """The batch on the mesh with what stays fixed over its PPO epochs: old_logp (pi_old, unless
+        given) and ref_logp (when kl_coef > 0, unless given). Call once per rollout batch."""
         batch = self._put(batch)
+        if batch.get("old_logp") is None:
+            recompute = self.loss_cfg.pi_old == "recompute"
+            batch["old_logp"] = self.logprobs(batch["input_ids"]) if recompute else batch["behaviour_logp"]
+        if self.ref_params is not None and batch.get("ref_logp") is None:
+            batch["ref_logp"] = self.logprobs(batch["input_ids"], self.ref_params)
+        return self._put(batch)
+
+    # ---- the update ----
+    def update(self, batch: dict, current_version: int, num_iterations: int = 1) -> dict:
+        """One rollout batch: pi_old and the reference logprobs once, then `num_iterations`
+        optimiser steps on it. Metrics are the mean over the epochs (verl's reduction), except
+        train/skipped (summed) and train/skipped_steps (the running total)."""
+        prepared = self.prepare(batch)
+        epochs = [self.step(prepared, current_version) for _ in range(num_iterations)]
+        metrics = {k: float(np.mean([m[k] for m in epochs])) for k in epochs[0]}
+        metrics["train/skipped"] = sum(m["train/skipped"] for m in epochs)
+        metrics["train/skipped_steps"] = self.skipped_steps
+        return metrics
+
+    def step(self, batch: dict, current_version: int) -> dict:
+        """One optimiser step on `batch` (see module docstring). An unprepared batch gets its pi_old
+        from the current params: call `prepare` once when stepping on one batch several times."""
+        batch = self.prepare(batch)
         n_micro = self._micro(batch["input_ids"].shape[0])
         fn = self._jitted("step", n_micro, "ref_logp" in batch)
         self.params, self.opt_state, metrics = fn(self.params, self.opt_state, batch, jnp.int32(current_version))
@@ -188,9 +235,10 @@ class Trainer:
     def loss_and_grads(self, batch: dict, current_version: int):
         """(metrics, grads) without updating: for tests and diagnostics."""
         batch = dict(batch)
-        batch.setdefault("old_logp", batch["behaviour_logp"])
-        batch = self._put(batch)
-        fn = jax.jit(partial(self._grads_impl, self._micro(batch["input_ids"].shape[0])))
+        if batch.get("old_logp") is None:
+            batch["old_logp"] = batch["behaviour_logp"]
+        batch = self.prepare(batch)
+        fn = self._jitted("grads", self._micro(batch["input_ids"].shape[0]), "ref_logp" in batch)
         grads, metrics = fn(self.params, batch, jnp.int32(current_version))
         return metrics, grads
 

@@ -241,12 +241,16 @@ class April:
         stale = np.array([s.staleness(version) for s in samples] or [0])
         rewards = np.array([s.reward for s in samples] or [0.0], float)
         s1, elapsed = engine.stats(), engine.now() - t0
+        # throughput of what the engine generated in this call (delivered responses may hold
+        # tokens of earlier steps): 0 when a step is served from the buffer alone
+        generated = s1["tokens_generated"] - s0["tokens_generated"]
         steps = s1["decode_steps"] - s0["decode_steps"]
         busy = s1["busy_slot_steps"] - s0["busy_slot_steps"]
         return {
             "rollout/time_s": elapsed,
             "rollout/tokens": int(lengths.sum()),
-            "rollout/tokens_per_s": float(lengths.sum() / elapsed) if elapsed > 0 else 0.0,
+            "rollout/generated_tokens": int(generated),
+            "rollout/tokens_per_s": float(generated / elapsed) if generated and elapsed > 0 else 0.0,
             "rollout/occupancy": busy / (steps * s1["slots"]) if steps else 0.0,
             "rollout/prefill_tokens": s1["prefill_tokens"] - s0["prefill_tokens"],
             "rollout/aborted": m["aborted"],
@@ -265,7 +269,10 @@ class April:
             "rollout/buffer_groups": len(self.buffer),
             "rollout/groups": len(groups),
             "reward/mean": float(rewards.mean()),
-            "reward/zero_std_groups": m["zero_std_groups"],
+            # groups whose rewards are all equal (no advantage signal): filtered ones with dynamic
+            # sampling, otherwise the delivered ones that train on nothing
+            "reward/zero_std_groups": m["zero_std_groups"] + sum(len({s.reward for s in g.samples}) == 1
+                                                                 for g in groups),
         }
 
     # ---- checkpointing ----
