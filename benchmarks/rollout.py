@@ -106,7 +106,9 @@ def rollout_config(mode: str, args) -> RolloutConfig:
     sync = mode == "sync"
     return RolloutConfig(rollout_batch_size=32, n_samples_per_prompt=8,
                          over_sampling_batch_size=32 if sync else args.over_sampling, partial_rollout=not sync,
-                         max_response_len=args.max_response_len, max_staleness=args.max_staleness, temperature=1.0)
+                         max_response_len=args.max_response_len, max_staleness=args.max_staleness, temperature=1.0,
+                         refill="groups" if sync else args.refill, resume_count=args.resume_count,
+                         stale_policy=args.stale_policy)
 
 
 def run(mode: str, args) -> dict:
@@ -116,42 +118,61 @@ def run(mode: str, args) -> dict:
                          args.reuse_aborted_kv and mode != "sync", args.decode_steps_per_call, args.cost, args.replicas,
                          args.step_overhead_ms)
     april = April(cfg, prompts(args.seed, args.prompt_len))
-    tokens = off_policy = on_policy = weight = 0.0
-    ctx_sum, prompt_lens, lengths = 0, [], []
+    w = args.warmup_steps
+    delivered_tokens = on_policy = weight = 0.0
+    useful = useful_ctx = 0
+    prompt_lens, lengths = [], []
     steps = []
-    start = None
+
+    def count_useful(g):  # tokens generated in the window (versions >= w): their number and context sum
+        nonlocal useful, useful_ctx
+        for s in g.samples:
+            index = np.flatnonzero(np.asarray(s.response_versions, np.int64) >= w)
+            useful += index.size
+            useful_ctx += int(index.size * len(s.prompt_ids) + index.sum())
+
     for step in range(args.steps):
-        if step == 1:
+        if step == w:
             start, s_start = engine.now(), engine.stats()
         groups, m = april.collect(engine, version=step)
         assert len(groups) == 32 and all(len(g.samples) == 8 for g in groups)
         engine.update_weights(None, step + 1)
         steps.append(m)
-        if step >= 1:
-            tokens += m["rollout/tokens"]
-            off_policy += m["rollout/off_policy_token_frac"] * m["rollout/tokens"]
+        if step >= w:
+            delivered_tokens += m["rollout/tokens"]
             for g in groups:
                 prompt_lens.append(len(g.prompt.prompt_ids))
+                count_useful(g)
                 for s in g.samples:
                     stale = step - np.asarray(s.response_versions)
                     on_policy += float(np.sum(stale == 0))
                     weight += float(np.sum(0.9 ** stale))
-                    ctx_sum += cost_model.delivered_ctx_sum(len(s.prompt_ids), len(s.response_ids))
                     lengths.append(len(s.response_ids))
+    buffered_before = useful
+    for g in april.buffer.groups():
+        count_useful(g)
     time = engine.now() - start
     s_end = engine.stats()
-    out = {"tokens_per_s": tokens / time, "off_policy_token_frac": off_policy / tokens,
-           "dropped_tokens": sum(m["rollout/dropped_tokens"] for m in steps[1:]),
-           "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in steps[1:]) / tokens,
-           "occupancy": float(np.mean([m["rollout/occupancy"] for m in steps[1:]])),
-           "on_policy_token_frac": on_policy / tokens, "mean_loss_weight": weight / tokens,
+    window = steps[w:]
+    out = {"delivered_tokens_per_s": delivered_tokens / time, "useful_tokens_per_s": useful / time,
+           "buffered_token_frac": (useful - buffered_before) / max(useful, 1),
+           "off_policy_token_frac": 1 - on_policy / delivered_tokens,
+           "dropped_tokens": sum(m["rollout/dropped_tokens"] for m in window),
+           "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in window) / delivered_tokens,
+           "occupancy": float(np.mean([m["rollout/occupancy"] for m in window])),
+           "on_policy_token_frac": on_policy / delivered_tokens, "mean_loss_weight": weight / delivered_tokens,
            "delivered_len_mean": float(np.mean(lengths)), "staleness_max": max(m["rollout/staleness_max"] for m in steps),
            "timeline": list(engine.timeline), "steps": steps}
+    out["tokens_per_s"] = out["delivered_tokens_per_s"]
     if args.engine == "sim":
+        # Tokens generated in the window and delivered, or still in the buffer at its end: the
+        # steady-state delivery rate without crediting tokens generated before the window (a
+        # 20-step window is short beside APRIL's buffer); equal to the delivered rate for sync.
+        out["tokens_per_s"] = out["useful_tokens_per_s"]
         replicas = len(engine.replicas)
-        bound = cost_model.time_lower_bound_s(engine.cost, tokens=int(tokens), ctx_sum=ctx_sum, prompt_lens=prompt_lens,
-                                              slots=args.slots, replicas=replicas, syncs=args.steps - 1)
-        out.update(limit_tokens_per_s=tokens / bound, time_s=time,
+        bound = cost_model.time_lower_bound_s(engine.cost, tokens=useful, ctx_sum=useful_ctx, prompt_lens=prompt_lens,
+                                              slots=args.slots, replicas=replicas, syncs=args.steps - w)
+        out.update(limit_tokens_per_s=useful / bound, time_s=time,
                    prefill_time_frac=(s_end["prefill_time_s"] - s_start["prefill_time_s"]) / (replicas * time),
                    kv_bytes_peak=s_end["kv_bytes_peak"], kv_bytes_budget=engine.cost.kv_budget_bytes,
                    preempted=s_end["preempted"] - s_start["preempted"])
@@ -167,6 +188,9 @@ def main():
                         "(default 8 for a roofline preset, 1 for cpu-jax)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="steps left out of the figures (default: a quarter of --steps, at least 1): APRIL's "
+                        "buffer fills over the first few steps; a real run amortises that over hundreds")
     parser.add_argument("--slots", type=int, default=None, help="max running requests per replica (default: 256 sim, 64 jax)")
     parser.add_argument("--length-scale", type=float, default=None, help="default: 1.0 sim, 1/32 jax (responses up to 1024 tokens: the largest scale "
                         "that runs in ~6 minutes on 2 cores; at 1/64 half the responses are under 16 tokens "
@@ -175,13 +199,19 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="default: 64 x length scale, at least 8 (all lengths scaled alike)")
     parser.add_argument("--over-sampling", type=int, default=64, help="APRIL's over_sampling_batch_size")
-    parser.add_argument("--max-staleness", type=int, default=5)
+    parser.add_argument("--max-staleness", type=int, default=None,
+                        help="default: 16 on a roofline preset (the design of issue 13), else 5")
+    parser.add_argument("--stale-policy", choices=["restart", "drop_group"], default="restart")
+    parser.add_argument("--refill", choices=["groups", "members"], default=None,
+                        help="APRIL's in-flight budget (default: members on a roofline preset, else groups)")
+    parser.add_argument("--resume-count", choices=["fraction", "group"], default="fraction")
     parser.add_argument("--prefill-ms-per-token", type=float, default=None,
                         help="--cost cpu-jax only; default: the CPU-calibrated 0.73")
     parser.add_argument("--step-overhead-ms", type=float, default=None, help="roofline presets: per decode step (default 1)")
     parser.add_argument("--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free")
     parser.add_argument("--reuse-aborted-kv", action="store_true",
-                        help="APRIL's resumed requests take their parked KV instead of a re-prefill")
+                        help="APRIL's resumed requests take their parked KV instead of a re-prefill (default on a roofline preset)")
+    parser.add_argument("--re-prefill", action="store_true", help="roofline presets: resumed requests re-prefill")
     parser.add_argument("--decode-steps-per-call", type=int, default=8, help="jax only")
     parser.add_argument("--png", default=None, help="write busy slots over time for both modes")
     parser.add_argument("--full", action="store_true", help="also print per-step metrics")
@@ -190,6 +220,17 @@ def main():
         args.replicas = 8 if args.engine == "sim" and args.cost != "cpu-jax" else 1
     if args.engine == "sim" and args.cost != "cpu-jax" and args.cost not in cost_model.PRESETS:
         parser.error(f"--cost {args.cost!r}: unknown; choose from cpu-jax, {', '.join(cost_model.PRESETS)}")
+    design = args.engine == "sim" and args.cost != "cpu-jax"  # the design of issue 13 on the roofline presets
+    if args.max_staleness is None:
+        args.max_staleness = 16 if design else 5
+    if args.refill is None:
+        args.refill = "members" if design else "groups"
+    if design and not args.re_prefill:
+        args.reuse_aborted_kv = True
+    if args.warmup_steps is None:
+        args.warmup_steps = max(1, args.steps // 4)
+    if not 0 < args.warmup_steps < args.steps:
+        parser.error(f"--warmup-steps {args.warmup_steps}: must be in [1, --steps)")
     if args.slots is None:
         args.slots = 256 if args.engine == "sim" else 64
     if args.length_scale is None:
@@ -213,11 +254,12 @@ def compare(args) -> dict:
         limits.append(measure_jax_limit(args))
     limit = float(np.mean(limits))
     out = {
-        "benchmark": "rollout", "engine": args.engine, "steps": args.steps, "seed": args.seed, "slots": args.slots,
+        "benchmark": "rollout", "engine": args.engine, "steps": args.steps, "warmup_steps": args.warmup_steps, "seed": args.seed, "slots": args.slots,
         "length_scale": args.length_scale, "max_response_len": args.max_response_len, "prompt_len": args.prompt_len,
         "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
         "reuse_aborted_kv": args.reuse_aborted_kv, "decode_steps_per_call": args.decode_steps_per_call,
-        "over_sampling": args.over_sampling, "max_staleness": args.max_staleness,
+        "over_sampling": args.over_sampling, "max_staleness": args.max_staleness, "refill": args.refill,
+        "resume_count": args.resume_count, "stale_policy": args.stale_policy,
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
         "speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
         "limit_tokens_per_s": round(limit, 1), "limit_before_after": [round(x, 1) for x in limits],
@@ -228,6 +270,8 @@ def compare(args) -> dict:
         "april_prefill_tokens_per_response_token": round(april["prefill_tokens_per_response_token"], 2),
         "sync_prefill_tokens_per_response_token": round(sync["prefill_tokens_per_response_token"], 2),
         "dropped_tokens": april["dropped_tokens"],
+        "april_delivered_tokens_per_s": round(april["delivered_tokens_per_s"], 1),
+        "april_buffered_token_frac": round(april["buffered_token_frac"], 4),
         "april_staleness_max": april["staleness_max"],
     }
     for name, r in (("april", april), ("sync", sync)):

@@ -53,10 +53,14 @@ def check_invariants(cfg, april, delivered):
     assert len(seen) + len(buffered) + len(dropped) == april.drawn, "a drawn prompt was lost"
 
 
-@pytest.mark.parametrize("stale_policy", ["restart", "drop_group"])
-def test_invariants_over_many_steps(stale_policy):
+@pytest.mark.parametrize("stale_policy,refill,resume_count", [("restart", "groups", "fraction"),
+                                                             ("drop_group", "groups", "fraction"),
+                                                             ("restart", "groups", "group"),
+                                                             ("restart", "members", "fraction")])
+def test_invariants_over_many_steps(stale_policy, refill, resume_count):
     cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
-                        max_response_len=300, max_staleness=2, stale_policy=stale_policy, stop_token_ids=(0,))
+                        max_response_len=300, max_staleness=2, stale_policy=stale_policy, stop_token_ids=(0,),
+                        refill=refill, resume_count=resume_count)
     april, engine, delivered = run_steps(cfg, 15)
     check_invariants(cfg, april, delivered)
     metrics = [m for _, _, m in delivered]
@@ -89,6 +93,20 @@ def test_invariants_on_roofline_replicas_with_a_tight_kv_budget(reuse):
                                           ctx_sum=sum(cost_model.delivered_ctx_sum(p, n) for p, n in samples),
                                           prompt_lens=[8] * 40, slots=16, replicas=2, syncs=9)
     assert bound <= engine.now()
+
+
+def test_member_refill_keeps_the_engine_full_where_group_counting_drains_it():
+    """Group counting refills only when a group is dropped, so the engine drains as members finish;
+    member refill starts a new group whenever a group's worth of requests has finished."""
+    busy = {}
+    for refill in ("groups", "members"):
+        cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
+                            max_response_len=2000, max_staleness=100, refill=refill)
+        april, engine, delivered = run_steps(cfg, 8, slots=64, length_scale=1 / 16)
+        check_invariants(cfg, april, delivered)
+        stats = engine.stats()
+        busy[refill] = stats["busy_slot_steps"] / stats["decode_steps"]
+    assert busy["members"] > 1.5 * busy["groups"]
 
 
 def test_resumed_response_ends_where_an_uninterrupted_one_would():
@@ -147,6 +165,8 @@ def test_eviction_counts_dropped_prompts():
     (dict(n_samples_per_prompt=0), "rollout.n_samples_per_prompt=0"),
     (dict(stale_policy="keep"), "rollout.stale_policy='keep'"),
     (dict(schedule="lifo"), "rollout.schedule='lifo'"),
+    (dict(refill="tokens"), "rollout.refill='tokens'"),
+    (dict(resume_count="half"), "rollout.resume_count='half'"),
     (dict(max_response_len=-1), "rollout.max_response_len=-1"),
 ])
 def test_bad_config_names_the_key(overrides, key):

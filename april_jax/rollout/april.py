@@ -42,6 +42,13 @@ class RolloutConfig:
     stale_policy: str = "restart"  # or "drop_group"
     dynamic_sampling: bool = False
     schedule: str = "fifo"  # or "short_first"
+    # How the in-flight budget (over_sampling_batch_size groups) is counted:
+    #   "groups":  delivered + in-flight groups, a resumed group by `resume_count`; the engine
+    #              drains as members finish and refills only when a group is dropped (the paper's);
+    #   "members": unfinished requests / n_samples_per_prompt, refilled as members finish, so the
+    #              engine keeps over_sampling_batch_size x n requests in flight all step.
+    refill: str = "groups"
+    resume_count: str = "fraction"  # a resumed group with k of n unfinished counts k/n, or "group": 1 (slime)
     buffer_capacity: int = 1024
     temperature: float = 1.0
     top_p: float = 1.0
@@ -63,6 +70,10 @@ class RolloutConfig:
             bad("stale_policy", "must be 'restart' or 'drop_group'")
         if self.schedule not in ("fifo", "short_first"):
             bad("schedule", "must be 'fifo' or 'short_first'")
+        if self.refill not in ("groups", "members"):
+            bad("refill", "must be 'groups' or 'members'")
+        if self.resume_count not in ("fraction", "group"):
+            bad("resume_count", "must be 'fraction' or 'group'")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         return self
@@ -106,14 +117,16 @@ class April:
                     batch.append(request)
             engine.submit(batch)
 
-        def in_flight_groups() -> float:
-            # A buffered group with k unfinished members counts k/n: the engine keeps as many
-            # requests in flight as a fresh over-sampled step would (not just 1-2 per long group).
-            return sum(weight[gid] for gid in inflight)
+        def room(new_groups: int) -> bool:
+            if cfg.refill == "members":  # new groups are not submitted yet: count their members too
+                return len(requests) / cfg.n_samples_per_prompt + new_groups < cfg.over_sampling_batch_size
+            # A buffered group with k unfinished members counts k/n (by default): the engine keeps as
+            # many requests in flight as a fresh over-sampled step would (not just 1-2 per long group).
+            return len(delivered) + sum(weight[gid] for gid in inflight) < cfg.over_sampling_batch_size
 
         def fresh_groups() -> list[Group]:
             out = []
-            while len(delivered) + in_flight_groups() < cfg.over_sampling_batch_size and len(delivered) < target:
+            while room(len(out)) and len(delivered) < target:
                 g = self._new_group()
                 if g is None:
                     break
@@ -140,7 +153,8 @@ class April:
                 accept(g)
             else:
                 inflight[g.group_id] = g
-                weight[g.group_id] = sum(not s.finished for s in g.samples) / cfg.n_samples_per_prompt
+                unfinished = sum(not s.finished for s in g.samples)
+                weight[g.group_id] = 1.0 if cfg.resume_count == "group" else unfinished / cfg.n_samples_per_prompt
                 resumed.append(g)
         submit(resumed)
         submit(fresh_groups())

@@ -28,6 +28,10 @@ class PartialBuffer:
         while len(self._groups) > self.capacity:
             self.evicted.append(self._groups.popleft())
 
+    def groups(self) -> list[Group]:
+        """The buffered groups, oldest first (read-only view; `drain` takes them)."""
+        return list(self._groups)
+
     def drain(self) -> list[Group]:
         groups, self._groups = list(self._groups), collections.deque()
         return groups

@@ -98,6 +98,7 @@ class SimEngine(PollingEngine):
         self._clock = 0.0
         self._stats = collections.Counter()
         self.timeline: list[tuple[float, int]] = []
+        self._plan: tuple[int, float] | None = None  # next_event's answer until the batch or clock changes
 
     # ---- the engine interface ----
     def submit(self, requests: Iterable[Request]) -> None:
@@ -118,6 +119,7 @@ class SimEngine(PollingEngine):
         return self.take_ready()
 
     def abort(self, request_ids: Iterable[str]) -> list[Result]:
+        self._plan = None
         ids = set(request_ids)
         out = [s.result("abort", None) for s in self.queue if s.request.request_id in ids]
         self.queue = collections.deque(s for s in self.queue if s.request.request_id not in ids)
@@ -142,6 +144,7 @@ class SimEngine(PollingEngine):
         return self.abort([s.request.request_id for s in [*self.queue, *self.running]])
 
     def update_weights(self, params, version: int) -> None:
+        self._plan = None
         self.policy_version = int(version)
         for s in [*self.running, *self.queue]:
             s.version_marks.append((s.generated, self.policy_version))
@@ -192,10 +195,13 @@ class SimEngine(PollingEngine):
         return out
 
     def set_clock_at_least(self, t: float) -> None:
-        self._clock = max(self._clock, t)
+        if t > self._clock:
+            self._clock, self._plan = t, None
 
     def admit(self) -> None:
         """Admit queued requests while a slot is free and their KV fits (FIFO)."""
+        if not self.queue or len(self.running) >= self.max_num_seqs:
+            return
         prefill_s = 0.0
         resident_groups = {group_of(s.key) for s in self.running} | {group_of(k) for k in self.parked}
         while self.queue and len(self.running) < self.max_num_seqs:
@@ -227,18 +233,22 @@ class SimEngine(PollingEngine):
             self._stats["prefill_tokens"] += new
             self.running.append(s)
             self.running_ctx += s.ctx
+            self._plan = None
         self._clock += prefill_s
         self._stats["prefill_time_s"] += prefill_s
         self._note_peak()
 
     def next_event(self) -> tuple[int, float] | None:
         """(decode steps until the next finish or memory overflow, the clock then); frees memory first."""
+        if self._plan is not None:
+            return self._plan
         while self.running:
             b = len(self.running)
             fit = (self.budget - self.kv_tokens) // b if math.isfinite(self.budget) else math.inf
             if fit >= 1:
                 steps = int(min(min(s.left for s in self.running), fit))
-                return steps, self._clock + self.cost.decode_span_s(b, self.running_ctx, steps)
+                self._plan = steps, self._clock + self.cost.decode_span_s(b, self.running_ctx, steps)
+                return self._plan
             if not self._drop_parked():
                 self._preempt_newest()
         return None
@@ -257,6 +267,7 @@ class SimEngine(PollingEngine):
     def run_steps(self, steps: int) -> None:
         if steps <= 0 or not self.running:
             return
+        self._plan = None
         b = len(self.running)
         self._clock += self.cost.decode_span_s(b, self.running_ctx, steps)
         self._stats["decode_steps"] += steps
@@ -292,6 +303,7 @@ class SimEngine(PollingEngine):
 
     # ---- memory pressure ----
     def _drop_parked(self, keep: str | None = None) -> bool:
+        self._plan = None
         for key in self.parked:
             if key != keep:
                 del self.parked[key]
@@ -300,6 +312,7 @@ class SimEngine(PollingEngine):
         return False
 
     def _preempt_newest(self) -> None:
+        self._plan = None
         s = self.running.pop()
         self.running_ctx -= s.ctx
         self._stats["preempted"] += 1

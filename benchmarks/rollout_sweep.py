@@ -1,0 +1,144 @@
+"""Sensitivity study of APRIL vs sync on the simulated engine (roofline presets): prints JSON.
+
+    python benchmarks/rollout_sweep.py --cost h200-qwen3-4b --seeds 0 1 2 [--steps 20] [--sections all] [--jobs 2] [--markdown]
+
+Every row runs APRIL with the headline design (`DESIGN`) or a variant of it, against the
+synchronous baseline on the same preset, replicas, prompts, length draws and response budget;
+each (row, seed) prints one JSON line, then one summary line per row with mean / min / max over
+the seeds. `--markdown` prints the summary as the tables of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import types
+
+import numpy as np
+
+import rollout
+
+BASE = dict(engine="sim", cost="h200-qwen3-4b", replicas=8, steps=20, warmup_steps=None, seed=0, slots=256,
+            length_scale=1.0, max_response_len=32768, prompt_len=64, over_sampling=64, max_staleness=5,
+            stale_policy="restart", refill="groups", resume_count="fraction", prefill_ms_per_token=None,
+            step_overhead_ms=None, min_prefill_batch=1, reuse_aborted_kv=False, decode_steps_per_call=8)
+# The design of issue 13: refill as members finish, aborted KV kept (parked) within the budget.
+DESIGN = dict(refill="members", reuse_aborted_kv=True, over_sampling=64, max_staleness=16)
+# The orchestrator before issue 13 (the paper's counting: over-sampled groups drain, no refill).
+BEFORE = dict(refill="groups", resume_count="fraction", reuse_aborted_kv=False, over_sampling=64, max_staleness=5)
+
+SECTIONS = {
+    "headline": [("design (members refill, parked KV, cap 16)", DESIGN),
+                 ("before issue 13 (groups k/n, re-prefill, cap 5)", BEFORE),
+                 ("before, a resumed group counts whole (slime)", {**BEFORE, "resume_count": "group"})],
+    "over_sampling": [(f"over-sampling {os} ({os / 32:g}x)", {**DESIGN, "over_sampling": os}) for os in (32, 48, 96)],
+    "max_staleness": [(f"max_staleness {s}", {**DESIGN, "max_staleness": s}) for s in (0, 2, 5, 10)],
+    "max_response_len": [(f"max_response_len {n}", {**DESIGN, "max_response_len": n}) for n in (8192, 16384)],
+    "parked_kv": [("parked KV off (re-prefill)", {**DESIGN, "reuse_aborted_kv": False})],
+    "replicas": [(f"replicas {r}", {**DESIGN, "replicas": r}) for r in (1, 2, 4)],
+}
+SHARED = ("replicas", "max_response_len", "cost", "steps", "seed", "step_overhead_ms")  # the sync run depends on these
+
+
+def args_for(**kw):
+    a = types.SimpleNamespace(**{**BASE, **kw})
+    if a.warmup_steps is None:
+        a.warmup_steps = max(1, a.steps // 4)
+    return a
+
+
+def _run(task):
+    mode, kw = task
+    r = rollout.run(mode, args_for(**kw))
+    keep = ("tokens_per_s", "limit_tokens_per_s", "on_policy_token_frac", "mean_loss_weight", "delivered_len_mean",
+            "dropped_tokens", "prefill_time_frac", "kv_bytes_peak", "kv_bytes_budget", "preempted", "staleness_max",
+            "delivered_tokens_per_s", "buffered_token_frac")
+    return task, {k: r[k] for k in keep}
+
+
+def row_result(sync: dict, april: dict) -> dict:
+    return {"speedup": april["tokens_per_s"] / sync["tokens_per_s"],
+            "april_fraction_of_limit": april["tokens_per_s"] / april["limit_tokens_per_s"],
+            "sync_fraction_of_limit": sync["tokens_per_s"] / sync["limit_tokens_per_s"],
+            "april_tokens_per_s": april["tokens_per_s"], "sync_tokens_per_s": sync["tokens_per_s"],
+            "april_on_policy_token_frac": april["on_policy_token_frac"], "april_mean_loss_weight": april["mean_loss_weight"],
+            "april_delivered_len_mean": april["delivered_len_mean"], "sync_delivered_len_mean": sync["delivered_len_mean"],
+            "april_dropped_tokens": april["dropped_tokens"],
+            "april_prefill_time_frac": april["prefill_time_frac"], "april_preempted": april["preempted"],
+            "april_kv_peak_frac": april["kv_bytes_peak"] / april["kv_bytes_budget"],
+            "sync_kv_peak_frac": sync["kv_bytes_peak"] / sync["kv_bytes_budget"],
+            "april_staleness_max": april["staleness_max"], "april_buffered_token_frac": april["buffered_token_frac"]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cost", default="h200-qwen3-4b")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sections", nargs="+", default=["all"], help=f"any of: {', '.join(SECTIONS)}")
+    parser.add_argument("--step-overhead-ms", type=float, default=None)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    names = list(SECTIONS) if args.sections == ["all"] else args.sections
+    for name in names:
+        if name not in SECTIONS:
+            parser.error(f"--sections {name!r}: unknown; choose from {', '.join(SECTIONS)}")
+    common = dict(cost=args.cost, steps=args.steps, step_overhead_ms=args.step_overhead_ms)
+    rows = [(name, label, {**over, **common}) for name in names for label, over in SECTIONS[name]]
+    tasks, seen = [], set()
+    for _, _, over in rows:
+        for seed in args.seeds:
+            kw = {**over, "seed": seed}
+            sync_kw = {k: kw[k] for k in SHARED if k in kw}
+            for task in (("sync", sync_kw), ("april", kw)):
+                key = json.dumps(task, sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    tasks.append(task)
+    with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+        results = {}
+        for i, (t, r) in enumerate(pool.imap_unordered(_run, tasks)):
+            results[json.dumps(t, sort_keys=True)] = r
+            print(f"[{i + 1}/{len(tasks)}] {json.dumps(t)}", file=sys.stderr, flush=True)
+    summary = []
+    for name, label, over in rows:
+        per_seed = []
+        for seed in args.seeds:
+            kw = {**over, "seed": seed}
+            sync = results[json.dumps(("sync", {k: kw[k] for k in SHARED if k in kw}), sort_keys=True)]
+            april = results[json.dumps(("april", kw), sort_keys=True)]
+            r = row_result(sync, april)
+            per_seed.append(r)
+            print(json.dumps({"section": name, "row": label, "seed": seed, "config": over, **r}), flush=True)
+        stats = {k: {"mean": float(np.mean([r[k] for r in per_seed])), "min": float(np.min([r[k] for r in per_seed])),
+                     "max": float(np.max([r[k] for r in per_seed]))} for k in per_seed[0]}
+        summary.append({"section": name, "row": label, "seeds": args.seeds, "config": over, **stats})
+    for s in summary:
+        print(json.dumps({"summary": True, **s}))
+    if args.markdown:
+        print(markdown(summary, args))
+
+
+def markdown(summary, args) -> str:
+    def spread(s, k, fmt="{:.2f}"):
+        return f"{fmt.format(s[k]['mean'])} ({fmt.format(s[k]['min'])}-{fmt.format(s[k]['max'])})"
+
+    lines = [f"{args.cost}, seeds {' '.join(map(str, args.seeds))}, {args.steps} steps: mean (min-max)", "",
+             "| section | row | speedup | APRIL / limit | sync / limit | on-policy frac | mean loss weight | "
+             "delivered len APRIL / sync | dropped tokens | prefill time | preempted | KV peak / budget APRIL, sync |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['section']} | {s['row']} | {spread(s, 'speedup')} | {spread(s, 'april_fraction_of_limit')} | "
+                     f"{spread(s, 'sync_fraction_of_limit')} | {spread(s, 'april_on_policy_token_frac')} | "
+                     f"{spread(s, 'april_mean_loss_weight')} | {s['april_delivered_len_mean']['mean']:.0f} / "
+                     f"{s['sync_delivered_len_mean']['mean']:.0f} | {s['april_dropped_tokens']['mean'] / 1e6:.2f}M | "
+                     f"{s['april_prefill_time_frac']['mean']:.3f} | {s['april_preempted']['mean']:.0f} | "
+                     f"{s['april_kv_peak_frac']['max']:.2f}, {s['sync_kv_peak_frac']['max']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
