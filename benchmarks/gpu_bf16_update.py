@@ -48,7 +48,8 @@ def main():
     for name, param_dtype, dtype in (("fp32", "float32", "float32"), ("mixed", "float32", "bfloat16"),
                                      ("bf16", "bfloat16", "bfloat16")):
         cfg = base.replace(param_dtype=param_dtype, dtype=dtype)
-        trainer = Trainer(qwen3.init_model(cfg, seed=0), LossConfig(), OptimizerConfig(lr=args.lr))
+        # pi_old = the behaviour logprobs: one compiled program per precision (the update is the point)
+        trainer = Trainer(qwen3.init_model(cfg, seed=0), LossConfig(pi_old="bypass"), OptimizerConfig(lr=args.lr))
         before = flat(trainer.params)
         metrics = trainer.step(batch, 0)
         deltas[name] = flat(trainer.params) - before

@@ -76,6 +76,7 @@ def measure(name: str, args) -> dict:
         dst = torch.empty_like(src)
         raw_s = best_of(lambda: (dst.copy_(src), torch.cuda.synchronize()), args.repeats)
         del src, dst
+        torch.cuda.empty_cache()
     else:
         src = np.ones(nbytes, np.uint8)
         dst = np.empty_like(src)
@@ -99,6 +100,7 @@ def measure(name: str, args) -> dict:
                     "cuda_ipc_receive_over_raw": round(receive_s / raw_s, 2),
                     "cuda_ipc_tensors_received": answers[-1]["tensors"]})
         del bucket
+        torch.cuda.empty_cache()  # the next model's buffers and the receiver need the room
     else:
         row["cuda_ipc"] = "skipped: needs CUDA (torch.cuda and a JAX GPU backend)"
     if os.path.isdir("/dev/shm"):

@@ -92,7 +92,8 @@ if ((DRY)) && [[ ${DEVICE_CHECK_CPU_TWIN:-0} == 1 ]]; then
 fi
 step gpu_train_mfu_none 200 "$PY" benchmarks/gpu_train_mfu.py --remats none "${DRYFLAG[@]}"
 step gpu_engine_decode 150 "$PY" benchmarks/gpu_engine_decode.py "${DRYFLAG[@]}"
-step gpu_weight_transfer 90 "$PY" benchmarks/gpu_weight_transfer.py "${DRYFLAG[@]}"
+# Torch buffers here and in the receiver process share the GPU with JAX: no 75% preallocation.
+step gpu_weight_transfer 90 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" benchmarks/gpu_weight_transfer.py "${DRYFLAG[@]}"
 step gpu_bf16_update 60 "$PY" benchmarks/gpu_bf16_update.py "${DRYFLAG[@]}"
 if ((!DRY)); then  # the dry run's remat=none step already ran this code
   step gpu_train_mfu_full 200 "$PY" benchmarks/gpu_train_mfu.py --remats full

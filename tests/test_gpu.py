@@ -15,6 +15,7 @@ other bf16 path is, rather than within a fixed figure.
 import json
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -292,19 +293,23 @@ def test_host_transports_take_gpu_params(transport, tmp_path):
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 def test_device_check_dry_run_writes_its_summary(tmp_path):
     env = {**os.environ, "DEVICE_CHECK_BUDGET_S": "900"}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--dry-run", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env=env)
+    # Its own process group: a timeout here ends the script's children too, not only bash.
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "device_check.sh"), "--dry-run", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output = proc.communicate(timeout=900)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     log = (tmp_path / "device_check.log").read_text() if (tmp_path / "device_check.log").exists() else ""
-    assert proc.returncode == 0, proc.stdout[-3000:] + log[-5000:]
+    assert proc.returncode == 0, output[-3000:] + log[-5000:]
     summary = json.loads((tmp_path / "device_check.json").read_text())
     assert summary["mode"] == "dry-run" and summary["ok"]
     gpu_cases = summary["tests"]["gpu"]["cases"]
     assert len(gpu_cases) >= 10 and all(c["outcome"] == "skipped" and "needs a CUDA GPU" in c["message"]
                                         for c in gpu_cases)
-    twin = {c["name"]: c["outcome"] for c in summary["tests"]["cpu_twin"]["cases"]}
-    assert twin["test_bf16_train_step_matches_fp32"] == "passed"
-    assert twin["test_dlpack_export_is_zero_copy[bfloat16]"] == "passed"
-    assert twin["test_cuda_ipc_transport_reaches_a_torch_process"] == "skipped"
+    assert "cpu_twin" not in summary["tests"]  # DEVICE_CHECK_CPU_TWIN=1 adds it (+1.5 CPU-minutes)
     bench = summary["benchmarks"]
     assert {r["remat"] for r in bench["gpu_train_mfu"]} == {"none"} and all(r["mfu"] > 0 for r in bench["gpu_train_mfu"])
     assert all(r["decode_tokens_per_s"] > 0 and r["roofline_tokens_per_s"] > 0 for r in bench["gpu_engine_decode"])
