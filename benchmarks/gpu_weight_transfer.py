@@ -48,6 +48,8 @@ def jax_pointer(array) -> int:
     """Device address of a single-device jax array (the attribute moved between JAX versions)."""
     if hasattr(array, "unsafe_buffer_pointer"):
         return array.unsafe_buffer_pointer()
+    if hasattr(array, "__cuda_array_interface__"):
+        return array.__cuda_array_interface__["data"][0]
     return array.addressable_data(0).unsafe_buffer_pointer()
 
 
