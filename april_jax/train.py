@@ -144,17 +144,21 @@ def build_engine(c, model, max_model_len: int, version: int):
 
         return SimEngine(slots=c.rollout.max_num_seqs, seed=c.seed, max_model_len=max_model_len,
                          length_scale=c.rollout.max_response_len / 32768, policy_version=version)
-    from april_jax.models import qwen3
-    from april_jax.rollout.vllm_engine import VllmEngine
+    from april_jax.rollout.vllm.engine import VllmEngine
+    from april_jax.rollout.vllm.server import VllmSetupError, find_vllm_python, prepare_model_dir
 
     urls = [u.strip() for u in c.rollout.vllm_urls.split(",") if u.strip()]
     if urls:
         return VllmEngine(urls=urls, api_key=os.environ.get("VLLM_API_KEY"), max_num_seqs=c.rollout.max_num_seqs,
                           max_model_len=max_model_len, policy_version=version,
                           weight_transport=c.rollout.weight_transport, sleep_mode=c.rollout.vllm_sleep_mode)
-    init_dir = Path(c.workdir) / "vllm_init"
-    qwen3.save_pretrained(model, init_dir)  # the server starts from the trainer's current weights
-    return VllmEngine(init_dir, python=c.rollout.vllm_python or None, max_num_seqs=c.rollout.max_num_seqs,
+    try:
+        python = find_vllm_python(c.rollout.vllm_python or None)
+    except VllmSetupError as e:
+        raise ConfigError(str(e)) from None
+    # the server starts from the trainer's current weights, with the run's tokenizer
+    init_dir = prepare_model_dir(model, Path(c.workdir) / "vllm_init", c.data.tokenizer_path or c.model.path or None)
+    return VllmEngine(init_dir, python=python, max_num_seqs=c.rollout.max_num_seqs,
                       max_model_len=max_model_len, policy_version=version, log_dir=c.workdir,
                       dtype=c.model.dtype, weight_transport=c.rollout.weight_transport,
                       sleep_mode=c.rollout.vllm_sleep_mode)

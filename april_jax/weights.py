@@ -81,7 +81,7 @@ class SharedSafetensors:
 class CudaIpcBucket:
     """CUDA transport for a vLLM server on the same GPU: one flat torch CUDA buffer holds every
     tensor, its CUDA IPC handle is made once, and each sync is one device-side copy per tensor.
-    The worker maps the same memory (`vllm_ext.april_update_from_cuda_ipc`).
+    The worker maps the same memory (`rollout.vllm.worker_ext.april_update_from_cuda_ipc`).
 
     Why a torch-allocated buffer and not the JAX arrays themselves: CUDA IPC handles come from
     torch's caching allocator (`storage._share_cuda_`); memory that torch only borrowed through
@@ -120,10 +120,21 @@ class CudaIpcBucket:
         torch.cuda.synchronize(self.buffer.device)
 
     def payload(self) -> str:
-        """The handle and layout, pickled and base64-encoded for a JSON collective_rpc call."""
+        """The handle and layout as JSON (bytes base64-encoded) for a collective_rpc call; the
+        worker rebuilds the tensor from these fields alone, no pickle on either side."""
         import base64
-        import pickle
+        import json
 
         from torch.multiprocessing.reductions import reduce_tensor
 
-        return base64.b64encode(pickle.dumps((self.meta, reduce_tensor(self.buffer)))).decode()
+        _, (_cls, size, stride, offset, storage_cls, _dtype, _device, handle, storage_bytes, storage_offset,
+            _grad, ref_handle, ref_offset, event_handle, event_sync) = reduce_tensor(self.buffer)
+
+        def b64(raw):
+            return None if raw is None else base64.b64encode(raw).decode()
+
+        return json.dumps({"layout": [list(m) for m in self.meta], "size": list(size), "stride": list(stride),
+                           "offset": int(offset), "storage_cls": storage_cls.__name__, "handle": b64(handle),
+                           "storage_size_bytes": int(storage_bytes), "storage_offset_bytes": int(storage_offset),
+                           "ref_counter_handle": b64(ref_handle), "ref_counter_offset": int(ref_offset),
+                           "event_handle": b64(event_handle), "event_sync_required": bool(event_sync)})

@@ -67,7 +67,7 @@ def hf_tokens_per_s(ref, prompts, new_tokens):
 
 
 def vllm_tokens_per_s(path, python, prompts, new_tokens, max_len):
-    from april_jax.rollout.vllm_engine import VllmEngine
+    from april_jax.rollout.vllm.engine import VllmEngine
 
     engine = VllmEngine(path, python=python, max_num_seqs=len(prompts), max_model_len=max_len)
     try:

@@ -15,7 +15,7 @@ from flax import nnx
 from april_jax.models import qwen3
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
-from april_jax.rollout.vllm_engine import VllmEngine
+from april_jax.rollout.vllm.engine import VllmEngine
 from hf_utils import save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_weight_sync_from_jax_changes_vllm_output_to_match(tiny, engine, prompts
 def test_file_transport_on_an_attached_server_syncs_the_same_weights(tiny, engine, prompts):
     _, model = tiny
     attached = VllmEngine(urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16,
-                          weight_transport="file", shared_dir=str(Path(engine._shared_dir)))
+                          weight_transport="file", shared_dir=engine.transport_dir)
     new_params = jax.tree.map(lambda x: x * 0.8, nnx.state(model))
     changed = nnx.merge(nnx.graphdef(model), new_params)
     expected = JaxEngine(changed, max_num_seqs=2, max_model_len=128).generate([Request("e", prompts[3], 24, GREEDY)])["e"]
@@ -193,8 +193,9 @@ def test_server_killed_mid_rollout_recovers_and_completes(tiny, engine, prompts)
 def test_sleep_without_sleep_mode_is_a_no_op_said_once(engine, prompts, caplog):
     import logging
 
-    attached = VllmEngine(urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16)
-    with caplog.at_level(logging.INFO, logger="april_jax.rollout.vllm_engine"):
+    attached = VllmEngine(urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16,
+                          shared_dir=engine.transport_dir)
+    with caplog.at_level(logging.INFO, logger="april_jax.rollout.vllm.engine"):
         for _ in range(3):
             attached.sleep()
             attached.wake_up()

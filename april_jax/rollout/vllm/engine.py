@@ -1,9 +1,9 @@
 """vLLM sidecar engine: a real vLLM OpenAI server process generates, the JAX trainer keeps the model.
 
-Same interface as the JAX engine. The engine launches and owns the server (`python -m
-vllm.entrypoints.openai.api_server` on 127.0.0.1, a free port, a random API key, its own process
-group; `python` may be another virtualenv's interpreter, so the trainer's environment stays free of
-torch/vLLM pins) or attaches to running servers by URL (requests are spread across them).
+Same interface as the JAX engine. The engine launches and owns the server (`server.VllmServer`:
+127.0.0.1, a free port, a random key required on every route, a watchdog that takes it down with
+the trainer; `python` may be another virtualenv's interpreter, so the trainer's environment stays
+free of torch/vLLM pins) or attaches to running servers by URL (requests are spread across them).
 
 Requests go in as token ids and come back as token ids + per-token logprobs over a streaming
 `/v1/completions` call, one thread per request; `abort` uses the server's `/abort_requests` (dev
@@ -15,9 +15,12 @@ Failure: a stream cut by a dead server is parked; the next `step()` restarts the
 parked request from its partial tokens (prompt + generated ids, the remaining budget).
 
 Weights: `update_weights` writes HF-named tensors into a shared-memory safetensors buffer
-(`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) and asks the worker
-extension (`vllm_ext.WeightUpdateExt`) to reload from it, then resets the prefix cache. That works
-when trainer and server share a host; across hosts, pass `shared_dir` on a shared filesystem.
+(`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) in the run's own transport
+folder and asks the worker extension (`worker_ext.WeightUpdateExt`) to reload from it, then resets
+the prefix cache. A launched server gets a fresh 0700 folder under `shared_dir` (default /dev/shm)
+and reads files only inside it. Attached servers must have been started with
+$APRIL_JAX_TRANSPORT_DIR; give the engine the same folder (`shared_dir`, or the same variable in
+the trainer's environment), on a shared filesystem when they run on other hosts.
 GPU memory when colocated with the trainer: `sleep_mode` starts the server with
 `--enable-sleep-mode` and sleeps it (level 1: weights to host, KV cache dropped) around every train
 step; off, `sleep`/`wake_up` are no-ops said once in the log (CPU servers have no sleep mode).
@@ -33,11 +36,7 @@ import json
 import logging
 import os
 import queue
-import secrets
-import signal
-import socket
-import subprocess
-import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -48,87 +47,13 @@ from pathlib import Path
 from typing import Iterable
 
 from april_jax.rollout.types import PollingEngine, Request, Result
+from april_jax.rollout.vllm.server import VllmServer, healthy
+from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 WEIGHT_TRANSPORTS = ("shm", "file", "cuda_ipc")
-
-
-class VllmServer:
-    """One vLLM OpenAI server process we own."""
-
-    def __init__(self, model_path, *, python: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
-                 dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
-                 log_dir=None, seed: int = 0, enable_sleep_mode: bool = False):
-        self.args = dict(model_path=model_path, python=python, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                         dtype=dtype, kv_cache_bytes=kv_cache_bytes, startup_timeout=startup_timeout,
-                         log_dir=log_dir, seed=seed, enable_sleep_mode=enable_sleep_mode)
-        self.port = _free_port()
-        self.api_key = secrets.token_hex(16)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="vllm_")) / f"vllm_{self.port}.log"
-        cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-               "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(self.port),
-               "--api-key", self.api_key, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-               "--dtype", dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes),
-               "--seed", str(seed), "--worker-extension-cls", "april_jax.rollout.vllm_ext.WeightUpdateExt"]
-        if enable_sleep_mode:
-            cmd.append("--enable-sleep-mode")
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-        env.pop("XLA_FLAGS", None)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self._wait_healthy(startup_timeout)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
-            if healthy(self.url):
-                return
-            time.sleep(0.5)
-        self.kill()
-        raise RuntimeError(f"vLLM server not healthy after {timeout:.0f}s; log tail:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=15)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait()
-        self._log.close()
-
-
-def healthy(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 class VllmEngine(PollingEngine):
@@ -144,16 +69,23 @@ class VllmEngine(PollingEngine):
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.policy_version = policy_version
         self.servers: list[VllmServer] = []
+        self._own_transport_dir = not urls
         if urls:
+            transport_dir = shared_dir or os.environ.get(TRANSPORT_DIR_ENV)
+            if not transport_dir:
+                raise ValueError(f"VllmEngine(urls=...): give shared_dir (or set ${TRANSPORT_DIR_ENV}): the folder "
+                                 f"the attached servers were started with in ${TRANSPORT_DIR_ENV}")
+            self.transport_dir = Path(transport_dir)
             self.urls, self.api_key = list(urls), api_key
         else:
             if model_path is None:
                 raise ValueError("VllmEngine: give model_path (to launch a server) or urls (to attach)")
+            base = shared_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+            self.transport_dir = Path(tempfile.mkdtemp(prefix="april_jax_weights_", dir=base))  # mode 0700
             server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                enable_sleep_mode=sleep_mode, **server_kw)
+                                enable_sleep_mode=sleep_mode, transport_dir=self.transport_dir, **server_kw)
             self.servers.append(server)
             self.urls, self.api_key = [server.url], server.api_key
-        self._shared_dir = shared_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         self._buffer = None  # SharedSafetensors or CudaIpcBucket, made at the first sync
         self._last_sync: tuple[str, str] | None = None  # (worker method, argument) a restarted server replays
         self._done: queue.Queue[Result] = queue.Queue()
@@ -346,14 +278,14 @@ class VllmEngine(PollingEngine):
                 self._buffer.write(named)
                 method, arg = "april_update_from_cuda_ipc", self._buffer.payload()
             elif self.weight_transport == "file":
-                path = Path(self._shared_dir) / f"april_jax_weights_{os.getpid()}_{id(self)}_v{version}.safetensors"
+                path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}_v{version}.safetensors"
                 tmp = path.with_suffix(".tmp")
                 weights.write_safetensors(named, tmp)
                 os.replace(tmp, path)
                 method, arg = "april_update_from_file", str(path)
             else:
                 if self._buffer is None:
-                    path = Path(self._shared_dir) / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
+                    path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
                     self._buffer = weights.SharedSafetensors(named, path)
                 self._buffer.write(named)
                 method, arg = "april_update_from_file", self._buffer.path
@@ -424,3 +356,5 @@ class VllmEngine(PollingEngine):
         self._buffer = None
         if self.weight_transport == "file" and self._last_sync is not None:
             Path(self._last_sync[1]).unlink(missing_ok=True)
+        if self._own_transport_dir:
+            shutil.rmtree(self.transport_dir, ignore_errors=True)

