@@ -10,9 +10,12 @@ Requests go in as token ids and come back as token ids + per-token logprobs over
 mode) and returns the partial tokens the stream delivered. Logprobs are vLLM's default
 `raw_logprobs` (before temperature): equal to ours at temperature 1.
 
-Failure: a stream cut by a dead server is parked; the next `step()` restarts the servers we own
-(or waits for attached ones), re-syncs the latest weights from the shared buffer, and resumes every
-parked request from its partial tokens (prompt + generated ids, the remaining budget).
+Failure: a stream cut by a dead server is parked; the next `step()` restarts the servers we own,
+re-syncs the latest weights from the shared buffer, and resumes every parked request from its
+partial tokens (prompt + generated ids, the remaining budget). A dead attached server leaves the
+rotation: its requests resume on the others, weight syncs skip it, and it is probed every
+`PROBE_EVERY_S`; once it answers again it gets the latest weights and rejoins. With every attached
+server down, `step()` waits for one (up to 240 s).
 
 Weights: `update_weights` writes HF-named tensors into a shared-memory safetensors buffer
 (`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) in the run's own transport
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 
 
 WEIGHT_TRANSPORTS = ("shm", "file", "cuda_ipc")
+PROBE_EVERY_S = 2.0
 
 
 class VllmEngine(PollingEngine):
@@ -93,6 +97,7 @@ class VllmEngine(PollingEngine):
         self._lost: list[dict] = []  # streams cut by a dead server, to resume
         self._lock = threading.Lock()
         self._next_server = 0
+        self._down: dict[str, float] = {}  # attached server out of rotation -> when it was last probed
         self._stats = collections.Counter()
         self._t0 = time.perf_counter()
         self._last_poll, self._last_busy = self._t0, 0
@@ -113,8 +118,7 @@ class VllmEngine(PollingEngine):
             if (bad := self._rejected(r)) is not None:
                 self._done.put(bad)
                 continue
-            url = self.urls[self._next_server % len(self.urls)]
-            self._next_server += 1
+            url = self._next_url()
             state = {"request": r, "url": url, "engine_id": None, "tokens": [], "logprobs": [], "versions": []}
             with self._lock:
                 self._live[r.request_id] = state
@@ -187,8 +191,44 @@ class VllmEngine(PollingEngine):
         self._done.put(Result(r.request_id, list(state["tokens"]), list(state["logprobs"]), list(state["versions"]),
                               reason, state.get("error") if reason == "error" else None))
 
+    def _next_url(self) -> str:
+        serving = [u for u in self.urls if u not in self._down] or self.urls
+        self._next_server += 1
+        return serving[(self._next_server - 1) % len(serving)]
+
+    def _resync(self, url: str) -> None:
+        """Give a fresh or returning server the latest weights."""
+        if self._last_sync is not None:
+            method, arg = self._last_sync
+            self._post(url, "/collective_rpc", {"method": method, "args": [arg]})
+        self._post(url, "/reset_prefix_cache", {})
+
+    def _take_out(self, url: str, why) -> None:
+        log.warning("vLLM server %s is down (%s): out of rotation until it answers again", url, why)
+        self._down[url] = time.time()
+        self._stats["servers_lost"] += 1
+
+    def _probe_down(self, force: bool = False) -> None:
+        """Bring back attached servers that answer again, after re-syncing their weights."""
+        now = time.time()
+        for url, probed in list(self._down.items()):
+            if not force and now - probed < PROBE_EVERY_S:
+                continue
+            self._down[url] = now
+            if not healthy(url, timeout=0.5):  # runs inside step(): keep a blackholed host cheap
+                continue
+            try:
+                self._resync(url)
+            except (urllib.error.URLError, OSError) as e:
+                log.warning("vLLM server %s answers but its weight re-sync failed (%s)", url, e)
+                continue
+            del self._down[url]
+            self._stats["servers_back"] += 1
+            log.warning("vLLM server %s is back with weights version %d", url, self.policy_version)
+
     def _recover(self) -> None:
-        """Restart dead servers we own, re-sync the latest weights, resume lost requests."""
+        """Restart dead servers we own (re-syncing the latest weights), take dead attached ones out
+        of rotation, resume lost requests."""
         for i, server in enumerate(self.servers):
             if server.alive() and healthy(server.url):
                 continue
@@ -198,22 +238,26 @@ class VllmEngine(PollingEngine):
             self.servers[i] = fresh
             self.urls = [fresh.url if u == server.url else u for u in self.urls]
             self.api_key = fresh.api_key
-            if self._last_sync is not None:
-                method, arg = self._last_sync
-                self._post(fresh.url, "/collective_rpc", {"method": method, "args": [arg]})
-                self._post(fresh.url, "/reset_prefix_cache", {})
+            self._resync(fresh.url)
             self._stats["restarts"] += 1
             for st in list(self._live.values()):
                 if st["url"] == server.url:
                     st["url"] = fresh.url
+        owned = {server.url for server in self.servers}
+        for url in self.urls:
+            if url not in owned and url not in self._down and not healthy(url):
+                self._take_out(url, "a stream was cut and /health does not answer")
         deadline = time.time() + 240
-        while not all(healthy(u) for u in self.urls):  # attached servers: wait for them to come back
+        while len(self._down) == len(self.urls):  # no server left: wait for one to come back
             if time.time() > deadline:
                 raise RuntimeError(f"vLLM servers {self.urls} did not come back within 240s")
             time.sleep(1.0)
+            self._probe_down(force=True)
         with self._lock:
             lost, self._lost = self._lost, []
         for st in lost:
+            if st["url"] in self._down:
+                st["url"] = self._next_url()
             self._stats["resumed_after_failure"] += 1
             self._launch(st)
 
@@ -221,6 +265,8 @@ class VllmEngine(PollingEngine):
         self._sample_occupancy()
         if self._lost:
             self._recover()
+        if self._down:
+            self._probe_down()
         out = []
         try:
             out.append(self._done.get(timeout=timeout))
@@ -237,9 +283,11 @@ class VllmEngine(PollingEngine):
             states = [st for rid, st in self._live.items() if rid in ids]
             for st in states:
                 st["aborting"] = True
+            self._lost = [st for st in self._lost if st["request"].request_id not in ids]  # not to resume
         by_url = collections.defaultdict(list)
         for st in states:
-            by_url[st["url"]].append(f"cmpl-{st['engine_id']}-0")
+            if st["url"] not in self._down:
+                by_url[st["url"]].append(f"cmpl-{st['engine_id']}-0")
         for url, engine_ids in by_url.items():
             try:
                 self._post(url, "/abort_requests", {"request_ids": engine_ids})
@@ -289,12 +337,23 @@ class VllmEngine(PollingEngine):
                     self._buffer = weights.SharedSafetensors(named, path)
                 self._buffer.write(named)
                 method, arg = "april_update_from_file", self._buffer.path
+            previous, self._last_sync = self._last_sync, (method, arg)
+            owned = {server.url for server in self.servers}
             for url in self.urls:
-                self._post(url, "/collective_rpc", {"method": method, "args": [arg]})
-                self._post(url, "/reset_prefix_cache", {})
-            if self.weight_transport == "file" and self._last_sync is not None and self._last_sync[1] != arg:
-                Path(self._last_sync[1]).unlink(missing_ok=True)  # the latest file stays for a restarted server
-            self._last_sync = (method, arg)
+                if url in self._down:
+                    continue  # re-synced when it answers again
+                try:
+                    self._resync(url)
+                except urllib.error.HTTPError:
+                    raise  # the server refused the update: a bug to see, not an outage
+                except (urllib.error.URLError, OSError) as e:
+                    if url in owned:
+                        raise
+                    self._take_out(url, e)
+            if len(self._down) == len(self.urls):
+                raise RuntimeError(f"weight sync v{version}: no vLLM server answered ({self.urls})")
+            if self.weight_transport == "file" and previous is not None and previous[1] != arg:
+                Path(previous[1]).unlink(missing_ok=True)  # the latest file stays for a restarted server
         self.policy_version = int(version)
 
     def has_unfinished(self) -> bool:
@@ -323,7 +382,8 @@ class VllmEngine(PollingEngine):
                 "decode_steps": s["decode_steps"], "busy_slot_steps": s["busy_slot_steps"],
                 "occupancy": s["busy_slot_steps"] / (s["decode_steps"] * slots) if s["decode_steps"] else 0.0,
                 "aborted": s["aborted"], "errors": s["errors"], "restarts": s["restarts"],
-                "resumed_after_failure": s["resumed_after_failure"], "time_s": self.now(),
+                "resumed_after_failure": s["resumed_after_failure"], "servers_lost": s["servers_lost"],
+                "servers_back": s["servers_back"], "time_s": self.now(),
                 "policy_version": self.policy_version}
 
     def now(self) -> float:
@@ -338,12 +398,14 @@ class VllmEngine(PollingEngine):
                 self._said_no_sleep = True
             return
         for url in self.urls:
-            self._post(url, "/sleep?level=1", {})
+            if url not in self._down:
+                self._post(url, "/sleep?level=1", {})
 
     def wake_up(self) -> None:
         if self.sleep_mode:
             for url in self.urls:
-                self._post(url, "/wake_up", {})
+                if url not in self._down:
+                    self._post(url, "/wake_up", {})
 
     def shutdown(self) -> None:
         self.abort_all()

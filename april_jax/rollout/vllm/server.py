@@ -149,16 +149,16 @@ class VllmServer:
     def __init__(self, model_path, *, python: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
                  dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
                  log_dir=None, seed: int = 0, enable_sleep_mode: bool = False, transport_dir=None,
-                 name: str = "server0"):
+                 name: str = "server0", api_key: str | None = None, port: int | None = None):
         self.args = dict(model_path=model_path, python=python, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          dtype=dtype, kv_cache_bytes=kv_cache_bytes, startup_timeout=startup_timeout,
                          log_dir=log_dir, seed=seed, enable_sleep_mode=enable_sleep_mode,
-                         transport_dir=transport_dir, name=name)
+                         transport_dir=transport_dir, name=name, api_key=api_key, port=port)
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm_"))
         self.pidfile = log_dir / f"vllm_{name}.pid"
         kill_stale(self.pidfile)
-        self.port = _free_port()
-        self.api_key = secrets.token_hex(16)
+        self.port = port or _free_port()
+        self.api_key = api_key or secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"vllm_{self.port}.log"
         python = python or sys.executable
