@@ -13,6 +13,8 @@ Here:
 - when the trainer is gone, the server exits, or we get SIGTERM/SIGINT/SIGHUP: SIGTERM to the
   server (vLLM's own shutdown stops its children and frees its /dev/shm segments), up to
   `--grace` seconds, then SIGKILL to the whole group, this process included.
+- the server runs with umask 077, so the IPC sockets and shared memory vLLM makes for its own
+  processes are the owner's only;
 - the pidfile (written by the trainer) is removed when it still names us, so a restarted trainer
   finds either nothing or a live group it may kill (`server.kill_stale`).
 
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         _drop_pidfile(args.pidfile)
         _say(f"trainer {args.parent} is already gone; not starting")
         return 1
+    os.umask(0o077)  # what the server creates (its ZMQ sockets in /tmp, /dev/shm segments) is the owner's
     server = subprocess.Popen(cmd)  # same process group as us
     while not stop:
         if os.getppid() != args.parent:
