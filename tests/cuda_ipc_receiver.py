@@ -1,6 +1,6 @@
 """The receiving side of the `cuda_ipc` weight transport, without vLLM: a torch process on the same
 GPU that maps the trainer's buffer through the real worker-extension code
-(`april_jax.rollout.vllm_ext.WeightUpdateExt.april_update_from_cuda_ipc`) and reports what it saw.
+(`april_jax.rollout.vllm.worker_ext.WeightUpdateExt.april_update_from_cuda_ipc`) and reports what it saw.
 
     python tests/cuda_ipc_receiver.py --mode hash|copy   (PYTHONPATH = the repository root)
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from april_jax.rollout.vllm_ext import WeightUpdateExt
+from april_jax.rollout.vllm.worker_ext import WeightUpdateExt
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
