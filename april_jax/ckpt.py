@@ -53,12 +53,61 @@ def export_hf(path, out) -> None:
     meta = read_meta(step_dir)
     cfg = qwen3.Qwen3Config.from_hf_config(meta["model_config"],
                                            param_dtype=meta["model_config"].get("torch_dtype", "float32"))
+    tokenizer_dir = tokenizer_source(meta)
+    if cfg.eos_token_id is None:  # a model built from model.arch: the tokenizer's eos
+        cfg = cfg.replace(eos_token_id=eos_token_id(tokenizer_dir, meta))
     abstract = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     params = ocp.StandardCheckpointer().restore(step_dir / "params", target)
     nnx.replace_by_pure_dict(state, params)
     qwen3.save_pretrained(nnx.merge(graphdef, state), out)
+    write_tokenizer(tokenizer_dir, out)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+
+
+def tokenizer_source(meta: dict):
+    """The training run's tokenizer directory (data.tokenizer_path, else model.path), or None."""
+    from pathlib import Path
+
+    data, model = meta.get("config", {}).get("data", {}), meta.get("config", {}).get("model", {})
+    for path in (data.get("tokenizer_path"), model.get("path")):
+        if path and (Path(path) / "tokenizer.json").exists():
+            return Path(path)
+    return None
+
+
+def eos_token_id(tokenizer_dir, meta: dict):
+    """eos id of the run's tokenizer (its tokenizer_config's eos_token), or the tiny task's."""
+    if tokenizer_dir is None:
+        if meta.get("config", {}).get("data", {}).get("task") == "reverse":
+            from april_jax.data import reverse
+
+            return reverse.EOS
+        return None
+    from april_jax.data.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer(tokenizer_dir)
+    eos = tok.special.get("eos_token")
+    eos = eos["content"] if isinstance(eos, dict) else eos
+    return tok.tok.token_to_id(eos) if eos else (tok.stop_ids[0] if tok.stop_ids else None)
+
+
+def write_tokenizer(tokenizer_dir, out) -> None:
+    """Copy the run's tokenizer files beside the weights (AutoTokenizer then loads the export)."""
+    import shutil
+    from pathlib import Path
+
+    if tokenizer_dir is None:
+        print("note: the run has no Hugging Face tokenizer (data.task=reverse or the tokenizer directory "
+              "is gone): the export holds weights and config only", file=sys.stderr)
+        return
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copyfile(tokenizer_dir / name, Path(out) / name)
 
 
 def main(argv=None) -> None:

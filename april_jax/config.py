@@ -47,13 +47,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.shuffle = True
     c.data.chat_template = True  # wrap prompts in the tokenizer's chat template
     c.data.system_prompt = ""
+    c.data.chat_template_kwargs = ""  # JSON object passed to the chat template, e.g. '{"enable_thinking": false}'
     c.data.max_prompt_len = 512
     c.data.tokenizer_path = ""  # dir with tokenizer.json; empty: model.path ("asset:qwen3-tokenizer": real Qwen3)
 
     c.reward = ml_collections.ConfigDict()
-    c.reward.fn = "math_verify"  # "math_verify", "reverse" (tiny task) or "module.path:function"
-    c.reward.timeout_s = 5.0
-    c.reward.workers = 2
+    c.reward.fn = "math_verify"  # "math_verify", "reverse" (tiny task) or "module.path:function" (rl/rewards.py)
+    c.reward.timeout_s = 5.0  # per call; a stuck call's worker is killed and replaced, the reward is 0
+    c.reward.workers = 2  # scoring processes, working while the engine generates
     c.reward.overlong_buffer = 0  # DAPO soft overlong punishment window in tokens (0: off)
     c.reward.overlong_factor = 1.0
 
@@ -106,6 +107,8 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
     c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True))
+    c.log.wandb_project = ""  # Weights & Biases project; empty: off (pip install 'april_jax[wandb]')
+    c.log.wandb_mode = "online"  # "online", "offline" (no network; `wandb sync WORKDIR/wandb/offline-run-*` later)
     return c
 
 
@@ -175,9 +178,28 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError("config: set model.path (a Hugging Face checkpoint dir) or model.arch")
     if c.data.task == "file" and not c.data.train_path:
         raise ConfigError("config key 'data.train_path' is empty (data.task='file' needs a jsonl/parquet file)")
+    if c.log.wandb_mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"config key 'log.wandb_mode'={c.log.wandb_mode!r}: expected 'online', 'offline' or 'disabled'")
+    chat_template_kwargs(c)
     rollout_cfg(c)
     loss_cfg(c)
     return c
+
+
+def chat_template_kwargs(c) -> dict:
+    """`data.chat_template_kwargs` (a JSON object string) as a dict."""
+    import json
+
+    text = c.data.chat_template_kwargs.strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config key 'data.chat_template_kwargs'={text!r}: not JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"config key 'data.chat_template_kwargs'={text!r}: expected a JSON object")
+    return value
 
 
 def rollout_cfg(c, stop_token_ids=()) -> RolloutConfig:

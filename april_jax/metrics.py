@@ -1,38 +1,87 @@
-"""Per-step metrics: one JSON object per line in WORKDIR/metrics.jsonl, the same names to
-TensorBoard (when tensorboardX is installed), and a one-line console progress report."""
+"""Per-step metrics: one JSON object per line in WORKDIR/metrics.jsonl, the same names (exactly:
+`eval/avg@2` stays `eval/avg@2`) to TensorBoard (tensorboardX) and, when `log.wandb_project` is set,
+to Weights & Biases; plus a one-line console progress report."""
 
 from __future__ import annotations
 
 import json
+import math
+import secrets
 import sys
 import time
 from pathlib import Path
 
 
+class _TensorBoard:
+    """Scalars under their own names: tensorboardX's `add_scalar` rewrites tags outside
+    [-/\\w.] (`eval/avg@2` -> `eval/avg_2`), so the Summary proto is written directly."""
+
+    def __init__(self, logdir: Path):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir))
+
+    def write(self, step: int, record: dict) -> None:
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in record.items() if k != "step"]
+        self.writer._get_file_writer().add_summary(Summary(value=values), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    """A W&B run in WORKDIR/wandb; a resumed training run continues the same W&B run (its id is
+    kept in WORKDIR/wandb_run_id)."""
+
+    def __init__(self, workdir: Path, project: str, mode: str, config: dict | None):
+        try:
+            import wandb
+        except ImportError:
+            from april_jax.config import ConfigError
+
+            raise ConfigError("log.wandb_project is set but wandb is not installed "
+                             "(pip install 'april_jax[wandb]' or pip install wandb)") from None
+        id_file = workdir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        id_file.write_text(run_id)
+        self.run = wandb.init(project=project, mode=mode, dir=str(workdir), id=run_id, resume="allow",
+                              config=config or {}, name=workdir.name,
+                              settings=wandb.Settings(silent=True, console="off"))
+
+    def write(self, step: int, record: dict) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsWriter:
-    def __init__(self, workdir, *, tensorboard: bool = True, progress: bool = True, total_steps: int = 0):
-        self.path = Path(workdir) / "metrics.jsonl"
+    def __init__(self, workdir, *, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
+                 wandb_project: str = "", wandb_mode: str = "online", config: dict | None = None):
+        workdir = Path(workdir)
+        self.path = workdir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.progress, self.total_steps = progress, total_steps
         self._t0, self._first_step = time.perf_counter(), None
-        self._tb = None
+        self._sinks = []
         if tensorboard:
             try:
-                from tensorboardX import SummaryWriter
-
-                self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"))
+                self._sinks.append(_TensorBoard(workdir / "tensorboard"))
             except ImportError:
                 pass
+        if wandb_project and wandb_mode != "disabled":
+            self._sinks.append(_Wandb(workdir, wandb_project, wandb_mode, config))
 
     def write(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step":
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        for sink in self._sinks:
+            sink.write(step, scalars)
         if self.progress:
             self._report(step, record)
 
@@ -50,8 +99,9 @@ class MetricsWriter:
               f"loss {m.get('train/loss', float('nan')):+.4f} ETA {left / 60:.1f} min", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 def read_metrics(workdir) -> list[dict]:

@@ -66,19 +66,19 @@ def load_config(argv: list[str]):
 
 
 def build_task(c, model_path: str | None):
-    """(train prompts, eval prompts, stop ids, reward model, vocab size or None, decode fn)."""
+    """(train prompts, eval prompts, stop ids, reward model, vocab size or None, decode fn, prompt decode fn)."""
     from april_jax.rl.rewards import RewardModel
 
     if c.data.task == "reverse":
         from april_jax.data import reverse
 
         return (reverse.ReverseTask(c.seed, "train"), reverse.ReverseTask(c.seed, "eval").take(c.eval.num_prompts),
-                (reverse.EOS,), RewardModel("reverse"), reverse.VOCAB_SIZE, reverse.decode)
+                (reverse.EOS,), RewardModel("reverse"), reverse.VOCAB_SIZE, reverse.decode, reverse.decode)
     from april_jax.data.dataset import PromptDataset, read_rows
     from april_jax.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(c.data.tokenizer_path or model_path, system_prompt=c.data.system_prompt,
-                         chat=c.data.chat_template)
+                         chat=c.data.chat_template, template_kwargs=config_lib.chat_template_kwargs(c))
     train = PromptDataset(read_rows(c.data.train_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
                           seed=c.seed, shuffle=c.data.shuffle, max_prompt_len=c.data.max_prompt_len)
     eval_prompts = []
@@ -86,8 +86,12 @@ def build_task(c, model_path: str | None):
         ev = PromptDataset(read_rows(c.data.eval_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
                            shuffle=False, max_prompt_len=c.data.max_prompt_len)
         eval_prompts = [next(ev) for _ in range(min(c.eval.num_prompts, len(ev.rows)))]
-    reward = RewardModel(c.reward.fn, decode=tok.decode, timeout_s=c.reward.timeout_s, workers=c.reward.workers)
-    return train, eval_prompts, tuple(tok.stop_ids), reward, None, tok.decode
+    if not tok.template and any(not isinstance(r[0], str) for r in train.rows):
+        raise ConfigError(f"{c.data.train_path}: prompts are chat messages but no chat template is used "
+                          "(data.chat_template=false or the tokenizer has none)")
+    reward = RewardModel(c.reward.fn, timeout_s=c.reward.timeout_s, workers=c.reward.workers)
+    return (train, eval_prompts, tuple(tok.stop_ids), reward, tok.tok.get_vocab_size(), tok.decode,
+            lambda ids: tok.decode(ids, skip_special_tokens=False))
 
 
 def build_model(c, mesh, vocab_size):
@@ -164,7 +168,7 @@ def build_engine(c, model, max_model_len: int, version: int):
                       sleep_mode=c.rollout.vllm_sleep_mode)
 
 
-def evaluate(engine, prompts, reward, c, stop_ids, version: int) -> dict:
+def evaluate(engine, prompts, scorer, c, stop_ids, version: int) -> dict:
     """avg@k: mean reward over k samples per held-out prompt; pass@1-style accuracy = reward == 1."""
     from april_jax.rollout.types import Request, SamplingParams
 
@@ -174,8 +178,9 @@ def evaluate(engine, prompts, reward, c, stop_ids, version: int) -> dict:
                     SamplingParams(c.eval.temperature, seed=1000 * i + k), stop_ids)
             for i, p in enumerate(prompts) for k in range(c.eval.n_samples)]
     out = engine.generate(reqs)
-    scores = np.array([reward.score(out[r.request_id].token_ids, prompts[int(r.request_id.split("/")[1])].answer)
-                       for r in reqs])
+    samples = [scorer.sample(prompts[int(r.request_id.split("/")[1])], out[r.request_id].token_ids,
+                             out[r.request_id].finish_reason, int(r.request_id.split("/")[2])) for r in reqs]
+    scores = np.array(scorer.model.score_many(samples))
     return {f"eval/avg@{c.eval.n_samples}": float(scores.mean()), "eval/accuracy": float(np.mean(scores >= 1.0)),
             "eval/response_len": float(np.mean([len(out[r.request_id].token_ids) for r in reqs]))}
 
@@ -195,6 +200,7 @@ def run(c) -> dict:
     from april_jax.models import sharding
     from april_jax.rl.advantages import overlong_penalty
     from april_jax.rl.batch import groups_to_batch
+    from april_jax.rl.rewards import GroupScorer
     from april_jax.rl.train_step import Trainer
     from april_jax.rollout.april import April
 
@@ -205,7 +211,7 @@ def run(c) -> dict:
     (workdir / "config.json").write_text(c.to_json(indent=2))
     mesh = sharding.make_mesh(c.mesh.to_dict())
 
-    train_prompts, eval_prompts, stop_ids, reward, vocab, _ = build_task(c, c.model.path or None)
+    train_prompts, eval_prompts, stop_ids, reward, vocab, decode, decode_prompt = build_task(c, c.model.path or None)
     mesh = mesh if jax.device_count() > 1 else None
     model = build_model(c, mesh, vocab)
     max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
@@ -222,14 +228,13 @@ def run(c) -> dict:
                       micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0,
                       reference=build_reference(c, mesh, model, workdir, fresh=latest is None))
 
-    def score(sample, prompt):
-        r = reward.score(sample.response_ids, prompt.answer)
-        if c.reward.overlong_buffer:
-            r += float(overlong_penalty(len(sample.response_ids), c.rollout.max_response_len,
-                                        c.reward.overlong_buffer, c.reward.overlong_factor))
-        return r
+    def overlong(sample, r):
+        return r + float(overlong_penalty(len(sample.response_ids), c.rollout.max_response_len,
+                                          c.reward.overlong_buffer, c.reward.overlong_factor))
 
-    april = April(config_lib.rollout_cfg(c, stop_ids), train_prompts, score)
+    scorer = GroupScorer(reward, decode, decode_prompt, overlong if c.reward.overlong_buffer else None)
+    eval_scorer = GroupScorer(reward, decode, decode_prompt)
+    april = April(config_lib.rollout_cfg(c, stop_ids), train_prompts, scorer)
     start, version = 0, 0
     if latest is not None:
         params, opt_state, meta = ckpt.restore(latest, trainer.params, trainer.opt_state,
@@ -244,9 +249,10 @@ def run(c) -> dict:
     for name in ("metrics.jsonl", "delivered.jsonl"):
         _truncate_log(workdir / name, start)
 
-    engine = build_engine(c, trainer.model(), max_model_len, version)
     writer = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
-                           total_steps=c.train.total_steps)
+                           total_steps=c.train.total_steps, wandb_project=c.log.wandb_project,
+                           wandb_mode=c.log.wandb_mode, config=json.loads(c.to_json()))
+    engine = build_engine(c, trainer.model(), max_model_len, version)
     last = {}
     try:
         for step in range(start, c.train.total_steps):
@@ -264,9 +270,9 @@ def run(c) -> dict:
             engine.update_weights(trainer.nnx_state() if c.rollout.engine != "sim" else None, version)
             t3 = time.perf_counter()
             metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
-                            "reward/failures": reward.failures, "version": version})
+                            "version": version})
             if c.eval.every and (step + 1) % c.eval.every == 0:
-                metrics.update(evaluate(engine, eval_prompts, reward, c, stop_ids, version))
+                metrics.update(evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version))
             with open(workdir / "delivered.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
             if (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps:
@@ -276,6 +282,7 @@ def run(c) -> dict:
                         "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
                 ckpt.save(step + 1, trainer.params, trainer.opt_state, meta)
                 metrics["time/ckpt_s"] = time.perf_counter() - t4
+            metrics.update({"reward/failures": reward.failures, "reward/timeouts": reward.timeouts})  # eval's too
             writer.write(step, metrics)
             last = metrics
     finally:

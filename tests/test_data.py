@@ -65,3 +65,36 @@ def test_parquet_rows_and_long_prompt_error(tmp_path):
     pq.write_table(pa.table({"prompt": [""], "answer": [1]}), tmp_path / "e.parquet")
     with pytest.raises(DataError, match=r"e.parquet:row 0: field 'prompt' must be a non-empty string"):
         read_rows(str(tmp_path / "e.parquet"), "prompt", "answer")
+
+
+def test_chat_message_rows_from_jsonl_and_parquet(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": messages, "answer": 4, "level": 1}) + "\n")
+    pq.write_table(pa.table({"prompt": [messages], "answer": ["4"], "level": [1]}), tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.parquet"):
+        [(prompt, answer, source, fields)] = read_rows(str(tmp_path / name), "prompt", "answer")
+        assert prompt == messages and answer == "4" and fields == {"level": 1}, name
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": [{"role": "user"}], "answer": 1}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: field 'prompt' message 0 must be"):
+        read_rows(str(tmp_path / "bad.jsonl"), "prompt", "answer")
+
+
+def test_chat_messages_render_as_transformers_does():
+    import transformers
+
+    path = assets.smollm2_135m_instruct()
+    ref = transformers.AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "system", "content": "You count."}, {"role": "user", "content": "After 3?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "After 4?"}]
+    expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert ChatTokenizer(path).encode_prompt(messages) == expected
+    # data.system_prompt does not replace a row's own system turn
+    assert ChatTokenizer(path, system_prompt="Other.").encode_prompt(messages) == expected
+
+
+def test_qwen3_enable_thinking_false(qwen):
+    thinking_off = ChatTokenizer(assets.qwen3_tokenizer(), template_kwargs={"enable_thinking": False})
+    messages = [{"role": "user", "content": "hi"}]
+    assert thinking_off.render(messages) == qwen.render("hi") + "<think>\n\n</think>\n\n"
+    assert thinking_off.encode_prompt("hi")[-4:] == [151667, 271, 151668, 271]

@@ -1,5 +1,8 @@
 """jsonl / parquet prompt datasets: configurable fields, seeded shuffling per epoch, a resumable
-position, and errors that name the file and line of a bad row."""
+position, and errors that name the file and line of a bad row.
+
+A prompt is a string or a list of chat messages `[{"role": ..., "content": ...}]` (verl's and
+TRL's format); the row's other fields travel with it to the reward function."""
 
 from __future__ import annotations
 
@@ -16,8 +19,28 @@ class DataError(ValueError):
     """A missing file or a malformed row; the message names it."""
 
 
-def read_rows(path: str, prompt_key: str, answer_key: str) -> list[tuple[str, str, str]]:
-    """[(prompt, answer, source)] where source is 'file:line' (jsonl) or 'file:row' (parquet)."""
+def _json_safe(value):
+    """Row fields as JSON values (they are saved with the APRIL buffer in checkpoints)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def check_prompt(prompt, source: str, key: str) -> None:
+    """A non-empty string, or a non-empty list of {"role": str, "content": str} messages."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{source}: field {key!r} must be a non-empty string or a list of chat messages")
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(f"{source}: field {key!r} must be a non-empty string or a list of chat messages")
+    for i, msg in enumerate(prompt):
+        if not (isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)):
+            raise DataError(f"{source}: field {key!r} message {i} must be {{'role': str, 'content': str}}, "
+                            f"got {str(msg)[:80]}")
+
+
+def read_rows(path: str, prompt_key: str, answer_key: str) -> list[tuple]:
+    """[(prompt, answer, source, other fields)] where source is 'file:line' (jsonl) or 'file:row'
+    (parquet) and prompt is a string or a list of chat messages."""
     file = Path(path)
     if not file.exists():
         raise DataError(f"{file}: dataset file not found")
@@ -42,9 +65,12 @@ def read_rows(path: str, prompt_key: str, answer_key: str) -> list[tuple[str, st
     for source, r in records:
         if not isinstance(r, dict) or prompt_key not in r or answer_key not in r:
             raise DataError(f"{source}: row lacks field {prompt_key!r} or {answer_key!r}")
-        if not isinstance(r[prompt_key], str) or not r[prompt_key].strip():
-            raise DataError(f"{source}: field {prompt_key!r} must be a non-empty string")
-        rows.append((r[prompt_key], str(r[answer_key]), source))
+        prompt = r[prompt_key]
+        if isinstance(prompt, tuple) or (hasattr(prompt, "tolist") and not isinstance(prompt, str)):
+            prompt = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+        check_prompt(prompt, source, prompt_key)
+        fields = {k: v for k, v in r.items() if k not in (prompt_key, answer_key)}
+        rows.append((prompt, str(r[answer_key]), source, _json_safe(fields)))
     if not rows:
         raise DataError(f"{file}: no rows")
     return rows
@@ -53,7 +79,7 @@ def read_rows(path: str, prompt_key: str, answer_key: str) -> list[tuple[str, st
 class PromptDataset:
     """Endless epochs over the rows, each epoch shuffled with (seed, epoch). `uid` = epoch:index."""
 
-    def __init__(self, rows, encode: Callable[[str], list[int]], *, seed: int = 0, shuffle: bool = True,
+    def __init__(self, rows, encode: Callable[[str | list], list[int]], *, seed: int = 0, shuffle: bool = True,
                  max_prompt_len: int = 0):
         self.rows, self.encode, self.seed, self.shuffle = rows, encode, seed, shuffle
         self.max_prompt_len = max_prompt_len
@@ -70,13 +96,14 @@ class PromptDataset:
         if self.index >= len(self.rows):
             self.epoch, self.index = self.epoch + 1, 0
         row = int(self._order(self.epoch)[self.index])
-        prompt, answer, source = self.rows[row]
+        prompt, answer, source, *rest = self.rows[row]
         uid = f"{self.epoch}:{self.index}"
         self.index += 1
         ids = self.encode(prompt)
         if self.max_prompt_len and len(ids) > self.max_prompt_len:
             raise DataError(f"{source}: prompt has {len(ids)} tokens, more than data.max_prompt_len={self.max_prompt_len}")
-        return PromptRecord(uid=uid, prompt_ids=ids, answer=answer, source=source)
+        return PromptRecord(uid=uid, prompt_ids=ids, answer=answer, source=source, prompt=prompt,
+                            fields=rest[0] if rest else {})
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}

@@ -10,8 +10,12 @@ One `collect` call is one training step's rollout, on any engine with the common
    group counts by its unfinished members (k of n counts k/n), so the engine is as full after a
    resume as in a fresh step.
 3. A group counts when all its `n_samples_per_prompt` members are finished (stop, or truncated at
-   the budget). The moment `rollout_batch_size` groups count, every other request is aborted;
-   unfinished groups go to the buffer whole, with every token's behaviour logprob and version.
+   the budget) and scored. The moment `rollout_batch_size` groups count, every other request is
+   aborted; unfinished groups go to the buffer whole, with every token's behaviour logprob and version.
+
+Rewards: a finished group is handed to `reward_fn.submit_group(group)` (a `RewardModel` scoring in
+worker processes) and counts once its scores are back, so a slow verifier runs beside generation
+instead of inside it; a plain `reward_fn(sample, prompt) -> float` is called inline instead.
 
 The synchronous baseline is the same code with `over_sampling_batch_size == rollout_batch_size`
 and `partial_rollout=False`. Every drawn prompt is either delivered once, still buffered, or
@@ -20,7 +24,9 @@ counted in `dropped` with a reason (filtered, stale, evicted).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -28,7 +34,21 @@ import numpy as np
 from april_jax.rollout.buffer import PartialBuffer
 from april_jax.rollout.types import Group, PromptRecord, Request, Result, Sample, SamplingParams
 
-RewardFn = Callable[[Sample, PromptRecord], float]
+RewardFn = Callable[[Sample, PromptRecord], float]  # or an object with submit_group(group) -> pending scores
+
+
+class _Scored:
+    """Scores computed inline (a plain reward function): already done."""
+
+    def __init__(self, rewards: list[float]):
+        self.rewards = rewards
+        self.futures = ()
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> list[float]:
+        return self.rewards
 
 
 @dataclasses.dataclass
@@ -96,10 +116,11 @@ class April:
         cfg, target = self.cfg, self.cfg.rollout_batch_size
         t0, s0 = engine.now(), engine.stats()
         m = dict(aborted=0, resumed=0, dropped_tokens=0, stale_restarts=0, stale_dropped_groups=0,
-                 zero_std_groups=0, evicted_groups=0)
+                 zero_std_groups=0, evicted_groups=0, reward_wait_s=0.0)
         delivered: list[Group] = []
         surplus: list[Group] = []
         inflight: dict[str, Group] = {}
+        scoring: dict[str, tuple[Group, object]] = {}  # finished groups whose rewards are being computed
         requests: dict[str, Sample] = {}
         weight: dict[str, float] = {}  # group id -> its share of the in-flight budget
 
@@ -122,7 +143,9 @@ class April:
                 return len(requests) / cfg.n_samples_per_prompt + new_groups < cfg.over_sampling_batch_size
             # A buffered group with k unfinished members counts k/n (by default): the engine keeps as
             # many requests in flight as a fresh over-sampled step would (not just 1-2 per long group).
-            return len(delivered) + sum(weight[gid] for gid in inflight) < cfg.over_sampling_batch_size
+            # Finished groups waiting for their rewards still count.
+            return (len(delivered) + sum(weight[gid] for gid in inflight) + sum(weight[gid] for gid in scoring)
+                    < cfg.over_sampling_batch_size)
 
         def fresh_groups() -> list[Group]:
             out = []
@@ -144,13 +167,26 @@ class April:
             else:
                 surplus.append(g)
 
+        def score(g: Group) -> None:
+            scoring[g.group_id] = (g, self._submit_scores(g))
+
+        def harvest(block: bool = False) -> None:
+            """Accept the groups whose rewards are back (all of them when `block`)."""
+            for gid, (g, pending) in list(scoring.items()):
+                if block or pending.done():
+                    for s, r in zip(g.samples, pending.result()):
+                        s.reward = float(r)
+                    del scoring[gid]
+                    accept(g)
+
         # 1. the buffer first
         resumed = []
         for g in self.buffer.drain():
             if not self._within_staleness(g, version, m):
                 continue
             if g.complete:
-                accept(g)
+                weight[g.group_id] = 0.0
+                accept(g) if all(s.reward is not None for s in g.samples) else score(g)
             else:
                 inflight[g.group_id] = g
                 unfinished = sum(not s.finished for s in g.samples)
@@ -159,15 +195,21 @@ class April:
         submit(resumed)
         submit(fresh_groups())
 
-        # 2. generate until the target is met
-        while len(delivered) < target and engine.has_unfinished():
-            for result in engine.step():
-                sample = requests.pop(result.request_id)
-                group = inflight[sample.group_id]
-                self._absorb(sample, result, group.prompt)
-                if group.complete:
-                    del inflight[group.group_id]
-                    accept(group)
+        # 2. generate until the target is met; finished groups are scored beside the engine
+        while len(delivered) < target and (engine.has_unfinished() or scoring):
+            if engine.has_unfinished():
+                for result in engine.step():
+                    sample = requests.pop(result.request_id)
+                    group = inflight[sample.group_id]
+                    self._absorb(sample, result, group.prompt)
+                    if group.complete:
+                        del inflight[group.group_id]
+                        score(group)
+            else:  # nothing to generate until rewards decide what counts
+                t = time.perf_counter()
+                self._wait_any([p for _, p in scoring.values()])
+                m["reward_wait_s"] += time.perf_counter() - t
+            harvest()
             submit(fresh_groups())
 
         # 3. active termination
@@ -175,6 +217,9 @@ class April:
             m["aborted"] += 1
             sample = requests.pop(result.request_id)
             self._absorb(sample, result, inflight[sample.group_id].prompt)
+        t = time.perf_counter()
+        harvest(block=True)  # finished groups beyond the target keep their rewards in the buffer
+        m["reward_wait_s"] += time.perf_counter() - t
         for g in list(inflight.values()) + surplus:
             if not cfg.partial_rollout:
                 for s in g.samples:
@@ -219,7 +264,19 @@ class April:
         if r.finish_reason == "error":
             s.metadata["error"] = r.error
         s.status = "completed" if r.finish_reason == "stop" else "truncated"
-        s.reward = float(self.reward_fn(s, prompt)) if self.reward_fn else 0.0
+
+    def _submit_scores(self, g: Group):
+        if hasattr(self.reward_fn, "submit_group"):
+            return self.reward_fn.submit_group(g)
+        return _Scored([float(self.reward_fn(s, g.prompt)) if self.reward_fn else 0.0 for s in g.samples])
+
+    @staticmethod
+    def _wait_any(pending: list) -> None:
+        """Block until one pending score may be done (its futures are concurrent.futures ones)."""
+        if any(p.done() for p in pending):
+            return
+        futures = [f for p in pending for f in p.futures if not f.done()]
+        concurrent.futures.wait(futures, timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _within_staleness(self, g: Group, version: int, m: dict) -> bool:
         stale = [s for s in g.samples if s.staleness(version) > self.cfg.max_staleness]
@@ -287,6 +344,7 @@ class April:
             # sampling, otherwise the delivered ones that train on nothing
             "reward/zero_std_groups": m["zero_std_groups"] + sum(len({s.reward for s in g.samples}) == 1
                                                                  for g in groups),
+            "reward/wait_s": m["reward_wait_s"],
         }
 
     # ---- checkpointing ----

@@ -74,6 +74,8 @@ class PromptRecord:
     prompt_ids: list[int]
     answer: str | None = None
     source: str | None = None  # e.g. "file.jsonl:17", for error messages
+    prompt: str | list | None = None  # the row's prompt as given (text or chat messages), for rewards
+    fields: dict = dataclasses.field(default_factory=dict)  # the row's other fields (JSON values), for rewards
 
 
 @dataclasses.dataclass
