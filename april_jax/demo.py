@@ -1,4 +1,5 @@
-"""Generation demo on real weights: SmolLM2-135M-Instruct answers questions on CPU.
+"""Generation demo on real weights: SmolLM2-135M-Instruct answers questions on CPU, through the
+same embedded engine that generates training rollouts (continuous batching, KV cache, stop ids).
 
     python -m april_jax.demo ["your question" ...]
 """
@@ -9,26 +10,29 @@ import sys
 import time
 
 from april_jax import assets
+from april_jax.data.tokenizer import ChatTokenizer
 from april_jax.models import qwen3
-from april_jax.models.generate import generate
+from april_jax.rollout.jax_engine import JaxEngine
+from april_jax.rollout.types import Request, SamplingParams
 
 
 def main(argv: list[str]) -> None:
-    from tokenizers import Tokenizer
-
     questions = argv or ["What is the capital of France?", "What is 12 + 30?"]
     path = assets.smollm2_135m_instruct()
     t = time.perf_counter()
     model = qwen3.from_pretrained(path)
     print(f"loaded {path} ({model.cfg.num_params / 1e6:.0f}M params) in {time.perf_counter() - t:.1f}s")
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    end = tok.token_to_id("<|im_end|>")
-    prompts = [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n").ids for q in questions]
+    tok = ChatTokenizer(path)
+    prompts = [tok.encode_prompt(q) for q in questions]
+    max_new_tokens = 48
+    engine = JaxEngine(model, max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + max_new_tokens)
     t = time.perf_counter()
-    answers = generate(model, prompts, max_new_tokens=48, stop_ids=[end])
+    out = engine.generate([Request(str(i), p, max_new_tokens, SamplingParams(temperature=0.0), tok.stop_ids)
+                           for i, p in enumerate(prompts)])
+    answers = [out[str(i)].token_ids for i in range(len(prompts))]
     print(f"generated {sum(map(len, answers))} tokens in {time.perf_counter() - t:.1f}s (incl. compile)")
     for q, a in zip(questions, answers):
-        print(f"Q: {q}\nA: {tok.decode(a, skip_special_tokens=True)}\n")
+        print(f"Q: {q}\nA: {tok.decode(a)}\n")
 
 
 if __name__ == "__main__":

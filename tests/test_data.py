@@ -98,3 +98,22 @@ def test_qwen3_enable_thinking_false(qwen):
     messages = [{"role": "user", "content": "hi"}]
     assert thinking_off.render(messages) == qwen.render("hi") + "<think>\n\n</think>\n\n"
     assert thinking_off.encode_prompt("hi")[-4:] == [151667, 271, 151668, 271]
+
+
+def test_gsm_symbolic_training_problems_are_new_variants_with_computed_answers():
+    """The GSM8K config's split: generated training problems never equal a test problem, cover the
+    templates, and their answers match an independent formula (the remora template, #473:
+    answer = combined remora length / shark length in percent, from the numbers in the text)."""
+    import re
+
+    train = [json.loads(l) for l in assets.gsm_symbolic_train().read_text().splitlines()]
+    test = [json.loads(l) for l in assets.gsm8k_test_100().read_text().splitlines()]
+    assert len(test) == 100 and len(train) >= 900
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert len({r["template"] for r in train}) >= 95
+    assert all(re.fullmatch(r"-?[\d.]+", r["answer"]) for r in train)
+    remoras = [r for r in train if r["template"] == 473]
+    assert len(remoras) >= 5
+    for r in remoras:
+        feet, count, inches = map(int, re.search(r"a (\d+)-foot \w+ with (\d+) (\d+)-inch", r["prompt"]).groups())
+        assert float(r["answer"]) == count * inches / (feet * 12) * 100, r

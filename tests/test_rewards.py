@@ -1,6 +1,7 @@
 """Reward API: every call form in real worker processes, timeouts that kill and replace a stuck
 worker, failures counted, math-verify's own answer extraction, and APRIL scoring off the engine loop."""
 
+import os
 import time
 
 import pytest
@@ -115,3 +116,66 @@ def test_april_scores_finished_groups_beside_the_engine():
     finally:
         model.close()
         uses.close()
+
+
+def test_stuck_worker_dies_with_a_killed_trainer(tmp_path):
+    """SIGKILL the process that owns the pool while a worker is stuck in a call: the worker goes too
+    (pebble workers exit when the pool owner is gone), no orphan left holding a CPU."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from april_jax.rl.rewards import RewardModel\n"
+        "from tests.test_rewards import sample\n"
+        "if __name__ == '__main__':\n"
+        "    m = RewardModel('tests.reward_fns:hangs_on_seven', workers=1, timeout_s=600)\n"
+        "    m.submit([sample(answer='7')])\n"
+        "    time.sleep(600)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    owner = subprocess.Popen([sys.executable, str(script)], cwd=root, env=dict(os.environ, PYTHONPATH=root))
+    try:
+        deadline = time.time() + 120
+        workers = []
+        while time.time() < deadline and not workers:  # the worker is the owner's grandchild
+            time.sleep(0.5)
+            workers = [p for p in _pids() if _ancestor(p, owner.pid) and _parent(p) != owner.pid]
+        assert workers, "no worker started"
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        deadline = time.time() + 20
+        while time.time() < deadline and any(_alive(p) for p in workers):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers), "a stuck reward worker outlived its trainer"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _ancestor(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -7,7 +7,6 @@ import transformers
 
 from april_jax import assets
 from april_jax.models import qwen3
-from april_jax.models.generate import generate
 from hf_utils import hf_logits
 
 
@@ -32,7 +31,7 @@ def test_smollm2_answers_paris(smollm2):
                                      add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    [answer] = generate(model, [prompt], max_new_tokens=24, stop_ids=[eos])
+    [answer] = jax_greedy(model, [prompt], 24, [eos])
     text = tok.decode(answer)
     assert "Paris" in text, text
     assert answer[-1] == eos

@@ -27,9 +27,16 @@ import importlib
 import inspect
 import math
 import multiprocessing
+import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 from april_jax.data import reverse
+
+# Pool workers re-run a `python -m pkg.mod` trainer's module as __mp_main__ after the fork server
+# preloaded it (see RewardModel); runpy warns about exactly that, harmlessly, once per worker.
+warnings.filterwarnings("ignore", message=r".* found in sys.modules after import of package", category=RuntimeWarning,
+                        module="runpy")
 
 
 @dataclasses.dataclass
@@ -190,6 +197,11 @@ class RewardModel:
             # (math-verify + sympy take 2-4 s to import).
             context = multiprocessing.get_context("forkserver")
             preload = ["math_verify"] if spec == "math_verify" else [spec.partition(":")[0]]
+            # a `python -m pkg.mod` trainer: each worker re-runs pkg.mod as __mp_main__; with its
+            # imports (JAX...) already in the server that is cheap
+            main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+            if main_spec is not None and not main_spec.name.endswith("__main__"):
+                preload.append(main_spec.name)
             context.set_forkserver_preload(["__main__", __name__, *preload])
             self._pool = pebble.ProcessPool(max_workers=workers, context=context)
             for _ in range(workers):  # start the server and workers now, while the trainer compiles
