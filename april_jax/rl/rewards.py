@@ -127,6 +127,14 @@ def _ready() -> None:
     """A no-op task: makes the pool start its workers."""
 
 
+def _load_in_worker(spec: str) -> None:
+    """Worker initializer: import the reward function (math-verify: with sympy, 2-4 s) before the
+    worker takes a task, so no call's timeout pays for imports (also in a replacement worker)."""
+    _WORKER_FNS.setdefault(spec, load_function(spec))
+    if spec == "math_verify":
+        import math_verify  # noqa: F401
+
+
 def score_in_worker(spec: str, samples: list[RewardSample]) -> list[float]:
     """Runs in a pool worker: the rewards of `samples` (one call, or one per sample)."""
     fn = _WORKER_FNS.get(spec) or _WORKER_FNS.setdefault(spec, load_function(spec))
@@ -192,9 +200,8 @@ class RewardModel:
             import pebble
 
             # forkserver: workers fork from a clean server process (the trainer is multithreaded
-            # JAX, which must not be forked) that has the reward's modules imported already, so a
-            # killed worker is replaced in milliseconds and no call's timeout pays for imports
-            # (math-verify + sympy take 2-4 s to import).
+            # JAX, which must not be forked) that has the reward's modules imported already (when
+            # this pool started it), so a killed worker is replaced in milliseconds.
             context = multiprocessing.get_context("forkserver")
             preload = ["math_verify"] if spec == "math_verify" else [spec.partition(":")[0]]
             # a `python -m pkg.mod` trainer: each worker re-runs pkg.mod as __mp_main__; with its
@@ -203,7 +210,8 @@ class RewardModel:
             if main_spec is not None and not main_spec.name.endswith("__main__"):
                 preload.append(main_spec.name)
             context.set_forkserver_preload(["__main__", __name__, *preload])
-            self._pool = pebble.ProcessPool(max_workers=workers, context=context)
+            self._pool = pebble.ProcessPool(max_workers=workers, context=context, initializer=_load_in_worker,
+                                            initargs=(spec,))
             for _ in range(workers):  # start the server and workers now, while the trainer compiles
                 self._pool.schedule(_ready)
 
