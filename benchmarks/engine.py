@@ -1,11 +1,14 @@
 """Decode tokens/s of the embedded JAX engine vs transformers `generate` on the same weights.
 
     python benchmarks/engine.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 32] [--dtype bfloat16]
+                                [--busy 4/128]
                                 [--vllm-python ../.venv-vllm/bin/python]
 
 Both generate greedily, exactly `new_tokens` per request, from the same random ~40M-parameter
 checkpoint (fp32). The engine runs with `max_num_seqs = batch`; its figure includes the prefills,
 its host loop and stop checks (everything a rollout pays); a warm-up run first compiles.
+`busy_step`: a decode step with 4 of 128 slots busy against one with all 128 busy, at the same
+context (prompt-len + new-tokens); with compaction off for comparison (every slot, the whole row).
 """
 
 from __future__ import annotations
@@ -42,6 +45,32 @@ def timed_generate(engine, prompts, new_tokens):
 def engine_tokens_per_s(model, prompts, new_tokens, max_len, steps_per_call):
     engine = JaxEngine(model, max_num_seqs=len(prompts), max_model_len=max_len, decode_steps_per_call=steps_per_call)
     return timed_generate(engine, prompts, new_tokens)
+
+
+def decode_step_seconds(model, slots, busy, context, compact=True, steps=16):
+    """Seconds per decode step with `busy` of `slots` slots running at `context` positions (after
+    a first step that prefills and compiles): the engine's time in `step()` over the steps it ran."""
+    engine = JaxEngine(model, max_num_seqs=slots, max_model_len=context + steps + 16, decode_steps_per_call=8,
+                       compact_decode=compact)
+    rng = np.random.RandomState(1)
+    engine.submit([Request(str(i), rng.randint(1, CONFIG_40M.vocab_size, context).tolist(), steps + 16,
+                           SamplingParams(temperature=0.0)) for i in range(busy)])
+    engine.step()  # prefill + the first decode call (compiles)
+    s0, t = engine.stats()["decode_steps"], time.perf_counter()
+    while engine.stats()["decode_steps"] - s0 < steps:
+        engine.step()
+    return (time.perf_counter() - t) / (engine.stats()["decode_steps"] - s0)
+
+
+def busy_step_costs(model, slots, busy, context):
+    """A decode step with `busy` of `slots` slots busy against one with every slot busy, same context;
+    the same with compaction off (every slot and the whole row computed: the old engine)."""
+    few, full = decode_step_seconds(model, slots, busy, context), decode_step_seconds(model, slots, slots, context)
+    few_uncompacted = decode_step_seconds(model, slots, busy, context, compact=False)
+    return {"slots": slots, "busy": busy, "context": context, "busy_step_ms": round(1e3 * few, 2),
+            "full_step_ms": round(1e3 * full, 2), "busy_over_full": round(few / full, 3),
+            "busy_step_without_compaction_ms": round(1e3 * few_uncompacted, 2),
+            "without_compaction_over_full": round(few_uncompacted / full, 3)}
 
 
 def forward_floor_tokens_per_s(model, batch):
@@ -85,6 +114,8 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="weights and compute of both the JAX model and transformers")
     parser.add_argument("--vllm-python", default=None, help="interpreter with vllm: also measure a vLLM server")
+    parser.add_argument("--busy", default="4/128", help="BUSY/SLOTS: a decode step with BUSY of SLOTS slots busy vs "
+                        "all busy, at context prompt-len + new-tokens ('' skips)")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     rows = []
@@ -101,6 +132,10 @@ def main():
     ours = {b: engine_tokens_per_s(model, prompts[b], args.new_tokens, args.prompt_len + args.new_tokens + 16,
                                    args.decode_steps_per_call) for b in batches}
     floor = {b: forward_floor_tokens_per_s(model, b) for b in batches}
+    busy = None
+    if args.busy:
+        few, slots = map(int, args.busy.split("/"))
+        busy = busy_step_costs(model, slots, few, args.prompt_len + args.new_tokens)
     vllm = {}
     if args.vllm_python:  # before torch runs here: its OpenMP threads would spin on our cores
         vllm = {b: vllm_tokens_per_s(tmp, args.vllm_python, prompts[b], args.new_tokens,
@@ -122,7 +157,7 @@ def main():
     print(json.dumps({"benchmark": "engine", "params_m": round(CONFIG_40M.num_params / 1e6, 1), "dtype": args.dtype,
                       "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "torch_threads": torch.get_num_threads(),
                       "decode_steps_per_call": args.decode_steps_per_call,
-                      "results": rows}))
+                      "busy_step": busy, "results": rows}))
 
 
 if __name__ == "__main__":

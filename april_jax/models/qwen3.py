@@ -204,6 +204,30 @@ class KVCache(NamedTuple):
         return KVCache(tuple(map(put_k, self.k, other.k)), tuple(map(put_v, self.v, other.v)),
                        self.lengths_B.at[rows_N].set(other.lengths_B, mode="drop"))
 
+    def take_rows(self, rows_B, num_positions: int) -> "KVCache":
+        """A compact cache of rows `rows_B` (out-of-range rows read the last row), first
+        `num_positions` positions: the busy rows of a decode call, only as long as they need, so
+        attention reads no free slot and no position past the bucket."""
+        rows_B = jnp.minimum(rows_B, self.lengths_B.shape[0] - 1)
+        return KVCache(tuple(k[rows_B, :, :, :num_positions] for k in self.k),
+                       tuple(v[rows_B, :, :num_positions] for v in self.v), self.lengths_B[rows_B])
+
+    def put_new_positions(self, rows_B, small: "KVCache", start_B, count: int) -> "KVCache":
+        """Write back what `small` (from `take_rows(rows_B, ...)`) gained: positions start_B ..
+        small.lengths_B - 1 of each row (at most `count`) into rows `rows_B`, and their lengths.
+        Out-of-range rows are dropped. A scatter of the new positions only, not of whole rows."""
+        S, small_S = self.v[0].shape[2], small.v[0].shape[2]
+        B = rows_B.shape[0]
+        pos_BC = start_B[:, None] + jnp.arange(count, dtype=jnp.int32)[None]
+        src_BC = jnp.minimum(pos_BC, small_S - 1)
+        dst_BC = jnp.where(pos_BC < small.lengths_B[:, None], pos_BC, S)  # S: dropped
+        row_BC = jnp.broadcast_to(rows_B[:, None], (B, count))
+        b_BC = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, count))
+        put_k = lambda big, sm: big.at[row_BC, :, :, dst_BC].set(sm[b_BC, :, :, src_BC], mode="drop")
+        put_v = lambda big, sm: big.at[row_BC, :, dst_BC].set(sm[b_BC, :, src_BC], mode="drop")
+        return KVCache(tuple(map(put_k, self.k, small.k)), tuple(map(put_v, self.v, small.v)),
+                       self.lengths_B.at[rows_B].set(small.lengths_B, mode="drop"))
+
 
 def _normal(rngs: nnx.Rngs, shape, cfg: Qwen3Config):
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * cfg.initializer_range).astype(cfg.param_dtype)

@@ -251,7 +251,8 @@ class April:
         cfg = self.cfg
         key = f"{s.group_id}/{s.index}/{s.attempt}"
         return Request(f"{key}/{s.segments}", s.prompt_ids + s.response_ids, cfg.max_response_len - len(s.response_ids),
-                       SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), cfg.stop_token_ids, sample_key=key)
+                       SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), cfg.stop_token_ids, sample_key=key,
+                       shared_prefix_len=len(s.prompt_ids))  # the group's members prefill their prompt once
 
     def _absorb(self, s: Sample, r: Result, prompt: PromptRecord) -> None:
         s.response_ids += r.token_ids
@@ -317,7 +318,11 @@ class April:
         generated = s1["tokens_generated"] - s0["tokens_generated"]
         steps = s1["decode_steps"] - s0["decode_steps"]
         busy = s1["busy_slot_steps"] - s0["busy_slot_steps"]
+        # Everything but the model: APRIL's bookkeeping and the engine's host work (engines that
+        # time their device calls report model_s).
+        overhead = {"rollout/host_overhead_s": elapsed - (s1["model_s"] - s0["model_s"])} if "model_s" in s1 else {}
         return {
+            **overhead,
             "rollout/time_s": elapsed,
             "rollout/tokens": int(lengths.sum()),
             "rollout/generated_tokens": int(generated),

@@ -34,10 +34,7 @@ their tokens skips the re-prefill (`kv_park.py`).
 from __future__ import annotations
 
 import collections
-import dataclasses
-import functools
 import time
-from functools import partial
 from typing import Iterable
 
 import jax
@@ -46,104 +43,91 @@ import numpy as np
 from flax import nnx
 
 from april_jax.models.qwen3 import KVCache, Qwen3
-from april_jax.rollout import sampling
+from april_jax.rollout import engine_steps, sampling
+from april_jax.rollout.engine_steps import bucket_for, length_buckets, pow2_at_least
 from april_jax.rollout.kv_park import KVParking
 from april_jax.rollout.types import PollingEngine, Request, Result
 
-
-@dataclasses.dataclass
-class _Slot:
-    request: Request
-    seed: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-
-    def result(self, reason: str) -> Result:
-        return Result(self.request.request_id, list(self.tokens), list(self.logprobs), list(self.versions), reason)
+# Cache length buckets of decode and extend calls start here: below it attention is a small part
+# of a step, and every bucket is one more program per batch bucket.
+SMALLEST_LENGTH_BUCKET = 64
+# Suffix (extend) token buckets start here, for the same reason.
+SMALLEST_SUFFIX_BUCKET = 8
+# Decode and extend batch buckets start here: fewer programs, and a few idle rows cost little.
+SMALLEST_ROWS_BUCKET = 4
 
 
-class _RowParams:
-    """Per-slot decode inputs kept as host arrays, written when a slot starts and cleared when it
-    ends, so a decode call does not rebuild them slot by slot. Free slots hold greedy defaults."""
+class _Slots:
+    """Per-slot state as host arrays, so the bookkeeping of a decode call (record its tokens, find
+    the rows that ended, build the next call's inputs) is a few numpy operations over the busy
+    slots rather than a Python loop over requests. Tokens, logprobs and versions of each slot are
+    kept in [slots, max_model_len] arrays and become lists only when the request ends."""
 
     def __init__(self, num_slots: int, max_model_len: int):
-        self.max_model_len = max_model_len
-        self.active = np.zeros(num_slots, bool)
-        self.temperature = np.zeros(num_slots, np.float32)
-        self.top_p = np.ones(num_slots, np.float32)
-        self.top_k = np.zeros(num_slots, np.int32)
-        self.seeds = np.zeros(num_slots, np.int32)
-        self.steps = np.zeros(num_slots, np.int32)  # tokens so far, the pending first token included
-        self.limits = np.zeros(num_slots, np.int32)
-        self.stop_ids = np.full((num_slots, 4), -1, np.int32)  # width: a power of two, grows on demand
+        S, L = num_slots, max_model_len
+        self.max_model_len = L
+        self.requests: list[Request | None] = [None] * S
+        self.slot_of: dict[str, int] = {}
+        self.active = np.zeros(S, bool)
+        self.temperature = np.zeros(S, np.float32)
+        self.top_p = np.ones(S, np.float32)
+        self.top_k = np.zeros(S, np.int32)
+        self.seeds = np.zeros(S, np.int32)
+        self.steps = np.zeros(S, np.int32)  # tokens so far, a pending first token included
+        self.limits = np.zeros(S, np.int32)
+        self.prompt_len = np.zeros(S, np.int32)
+        self.stop_ids = np.full((S, 4), -1, np.int32)  # width: a power of two, grows on demand
+        self.tokens = np.zeros((S, L), np.int32)
+        self.logprobs = np.zeros((S, L), np.float32)
+        self.versions = np.zeros((S, L), np.int64)
 
     def start(self, i: int, request: Request, seed: int, steps: int) -> None:
         p, stops = request.sampling, request.stop_token_ids
         if len(stops) > self.stop_ids.shape[1]:
-            wider = np.full((len(self.active), 1 << (len(stops) - 1).bit_length()), -1, np.int32)
+            wider = np.full((len(self.active), pow2_at_least(len(stops))), -1, np.int32)
             wider[:, : self.stop_ids.shape[1]] = self.stop_ids
             self.stop_ids = wider
+        self.requests[i] = request
+        self.slot_of[request.request_id] = i
         self.active[i] = True
         self.temperature[i], self.top_p[i], self.top_k[i], self.seeds[i] = p.temperature, p.top_p, p.top_k, seed
         self.steps[i] = steps
+        self.prompt_len[i] = len(request.prompt_ids)
         self.limits[i] = min(request.max_new_tokens, self.max_model_len - len(request.prompt_ids))
         self.stop_ids[i] = -1
         self.stop_ids[i, : len(stops)] = stops
 
-    def clear(self, i: int) -> None:
-        self.active[i] = False
-        self.temperature[i], self.top_p[i], self.top_k[i], self.seeds[i] = 0.0, 1.0, 0, 0
-        self.steps[i] = self.limits[i] = 0
-        self.stop_ids[i] = -1
+    def end(self, slots) -> None:
+        """Free these slots (their requests were answered). Free slots hold greedy defaults."""
+        for i in slots:
+            del self.slot_of[self.requests[i].request_id]
+            self.requests[i] = None
+        self.active[slots] = False
+        self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seeds[slots] = 0.0, 1.0, 0, 0
+        self.steps[slots] = self.limits[slots] = self.prompt_len[slots] = 0
+        self.stop_ids[slots] = -1
 
+    def record(self, slots_N, positions_N, tokens_N, logprobs_N, version: int) -> None:
+        self.tokens[slots_N, positions_N] = tokens_N
+        self.logprobs[slots_N, positions_N] = logprobs_N
+        self.versions[slots_N, positions_N] = version
 
-def _prefill(graphdef, state, cache: KVCache, next_token_S, slots_M, source_M, tokens_NT, lengths_N, temperature_M,
-             top_p_M, top_k_M, seeds_M, *, mode):
-    """Prefill N distinct prompts once and start M requests from them: request m takes prompt
-    `source_M[m]`'s KV rows into slot `slots_M[m]` and samples its first token with its own key
-    (the n samples of a group share one prefill, as vLLM's prefix cache would give). Padding
-    requests carry slot index = #slots and are dropped. The first tokens also go into
-    `next_token_S`, the decode step's input, so no host round trip sits between the two calls."""
-    model = nnx.merge(graphdef, state)
-    N, T = tokens_NT.shape
-    fresh = KVCache.zeros(model.cfg, N, T, cache.v[0].dtype)
-    logits_NTV, fresh = model.forward(tokens_NT, cache=fresh, num_new_B=lengths_N, fresh_cache=True)
-    last_MV = jnp.take_along_axis(logits_NTV, (lengths_N - 1)[:, None, None], axis=1)[source_M, 0]
-    keys = sampling.request_keys(seeds_M, jnp.zeros(source_M.shape, jnp.int32))
-    tokens_M, logprobs_M = sampling.sample(last_MV, keys, temperature_M, top_p_M, top_k_M, mode=mode)
-    fresh_M = KVCache(*jax.tree.map(lambda x: x[source_M], (fresh.k, fresh.v, fresh.lengths_B)))
-    next_token_S = next_token_S.at[slots_M].set(tokens_M, mode="drop")
-    return cache.put_rows(slots_M, fresh_M), tokens_M, logprobs_M, next_token_S
+    def ended(self, slots_N) -> tuple[np.ndarray, np.ndarray]:
+        """(slots among `slots_N` whose request is over, whether each ended at a stop token)."""
+        n_N = self.steps[slots_N]
+        last_N = self.tokens[slots_N, np.maximum(n_N - 1, 0)]
+        stop_N = np.any(self.stop_ids[slots_N] == last_N[:, None], axis=1) & (n_N > 0)
+        over_N = stop_N | (n_N >= self.limits[slots_N])
+        return slots_N[over_N], stop_N[over_N]
 
+    def result(self, i: int, reason: str) -> Result:
+        n = int(self.steps[i])
+        return Result(self.requests[i].request_id, self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist(),
+                      self.versions[i, :n].tolist(), reason)
 
-def _decode(graphdef, state, cache: KVCache, tokens_B, active_B, temperature_B, top_p_B, top_k_B, seeds_B, steps_B,
-            limits_B, stop_ids_BP, *, mode, num_steps):
-    """`num_steps` decode steps in one call. A row stops (and its cache stops growing) after a stop
-    token or when its token count reaches `limits_B`, the same rules the host applies; the outputs
-    are [num_steps, B] tokens, logprobs and whether the row was active at that step."""
-    model = nnx.merge(graphdef, state)
-
-    def one_step(carry, _):
-        cache, tokens_B, active_B, steps_B = carry
-        logits_B1V, cache = model.forward(tokens_B[:, None], cache=cache, num_new_B=active_B.astype(jnp.int32))
-        keys = sampling.request_keys(seeds_B, steps_B)
-        new_B, logprobs_B = sampling.sample(logits_B1V[:, 0], keys, temperature_B, top_p_B, top_k_B, mode=mode)
-        steps_B = steps_B + active_B.astype(jnp.int32)
-        done_B = jnp.any(new_B[:, None] == stop_ids_BP, axis=-1) | (steps_B >= limits_B)
-        carry = (cache, jnp.where(active_B, new_B, tokens_B), active_B & ~done_B, steps_B)
-        return carry, (new_B, logprobs_B, active_B)
-
-    (cache, *_), (tokens_KB, logprobs_KB, active_KB) = jax.lax.scan(
-        one_step, (cache, tokens_B, active_B, steps_B), None, length=num_steps)
-    return cache, tokens_KB, logprobs_KB, active_KB
-
-
-@functools.lru_cache(maxsize=16)
-def compiled_steps(graphdef):
-    """(prefill, decode) jitted with `graphdef` closed over: hashing a graphdef per call costs ms."""
-    jit = lambda f, static: jax.jit(partial(f, graphdef), static_argnames=static, donate_argnames=("cache",))
-    return jit(_prefill, ("mode",)), jit(_decode, ("mode", "num_steps"))
+    def token_ids(self, i: int) -> tuple[int, ...]:
+        """Prompt + generated ids of slot i (the key its KV row is parked under)."""
+        return self.requests[i].prompt_ids + tuple(self.tokens[i, : self.steps[i]].tolist())
 
 
 def default_cache_dtype(cfg) -> jnp.dtype:
@@ -154,22 +138,19 @@ def default_cache_dtype(cfg) -> jnp.dtype:
 
 
 def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
-    buckets, b = [], smallest
-    while b < max_model_len:
-        buckets.append(b)
-        b *= 2
-    return tuple(buckets) + (max_model_len,)
+    return length_buckets(max_model_len, smallest)
 
 
 class JaxEngine(PollingEngine):
     def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
                  policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8,
-                 reuse_aborted_kv: bool = False, samples_per_prompt: int = 1, free_kv_in_sleep: bool = True):
+                 reuse_aborted_kv: bool = False, samples_per_prompt: int = 1, free_kv_in_sleep: bool = True,
+                 compact_decode: bool = True):
         if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
             raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
                              f"decode_steps_per_call={decode_steps_per_call} must be positive")
         self.graphdef, self._state = nnx.split(model)
-        self._prefill, self._decode = compiled_steps(self.graphdef)
+        self._programs = engine_steps.compiled(self.graphdef)
         self.cfg = model.cfg
         self.max_num_seqs = max_num_seqs
         # Refill only when this many slots are free (or the queue is that short, or the engine is
@@ -180,9 +161,14 @@ class JaxEngine(PollingEngine):
         self.decode_steps_per_call = decode_steps_per_call
         # Requests with the same prompt share one prefill row; a refill of M rows prefills either M
         # rows or M / share rows (two programs per row count, all compiled by `warmup`).
-        self.prefill_share = 1 << (max(samples_per_prompt, 1) - 1).bit_length()
+        self.prefill_share = pow2_at_least(max(samples_per_prompt, 1))
         self.max_model_len = max_model_len
         self.buckets = prefill_buckets(max_model_len)
+        # Decode runs over the busy slots only, in a power-of-two batch bucket and a cache length
+        # bucket; `compact_decode=False` runs every slot over the whole row (the reference path).
+        self.compact_decode = compact_decode
+        self.length_buckets = length_buckets(max_model_len, SMALLEST_LENGTH_BUCKET) if compact_decode \
+            else (max_model_len,)
         self.policy_version = policy_version
         self._cache = KVCache.zeros(self.cfg, max_num_seqs, max_model_len, cache_dtype or default_cache_dtype(self.cfg))
         self._cache_dtype = self._cache.v[0].dtype
@@ -193,14 +179,13 @@ class JaxEngine(PollingEngine):
         # re-prefill (see kv_park.py for what that trades).
         self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache_dtype) \
             if reuse_aborted_kv else None
-        self._slots: list[_Slot | None] = [None] * max_num_seqs
-        self._rows = _RowParams(max_num_seqs, max_model_len)
+        self._slots = _Slots(max_num_seqs, max_model_len)
         self._queue: collections.deque[tuple[Request, int]] = collections.deque()
         self._ready: list[Result] = []  # finished outside a step (bad requests)
         self._seeds = np.random.default_rng(seed)
         self._next_token = np.zeros(max_num_seqs, np.int32)
         self._next_token_dev = None  # device copy with first tokens of this step's prefills
-        self._pending: list[tuple[list, jax.Array, jax.Array]] = []  # (items, first tokens, logprobs)
+        self._pending: list[tuple[np.ndarray, jax.Array, jax.Array]] = []  # (slots, first tokens, logprobs)
         self._t0 = time.perf_counter()
         self._stats = collections.Counter()
         self.timeline: list[tuple[float, int]] = []  # (seconds since start, busy slots) per decode step
@@ -208,46 +193,52 @@ class JaxEngine(PollingEngine):
     # ---- interface ----
     def submit(self, requests: Iterable[Request]) -> None:
         """Queue requests. A bad one finishes at once with finish_reason 'error' and a reason."""
+        t = time.perf_counter()
         for request in requests:
             if (bad := self._rejected(request)) is not None:
                 self._ready.append(bad)
                 continue
             seed = request.sampling.seed
             self._queue.append((request, int(self._seeds.integers(2**31)) if seed is None else int(seed)))
+        self._stats["time_s"] += time.perf_counter() - t
 
     def step(self) -> list[Result]:
-        """Refill free slots, run one decode step; the results that finished in it."""
+        """Refill free slots, run one decode call; the results that finished in it."""
         if self._asleep:
             raise RuntimeError("JaxEngine.step while asleep: call wake_up() first")
         t = time.perf_counter()
         finished, self._ready = self._ready, []
-        free = [i for i, s in enumerate(self._slots) if s is None]
+        free = np.flatnonzero(~self._slots.active)
         enough = len(free) >= min(self.min_prefill_batch, len(self._queue)) or len(free) == self.max_num_seqs
-        if self._queue and free and enough:
-            self._start([(slot, *self._queue.popleft()) for slot in free[: len(self._queue)]], finished)
-        busy = [i for i, s in enumerate(self._slots) if s is not None]
-        if busy:
+        if self._queue and len(free) and enough:
+            self._start([(int(slot), *self._queue.popleft()) for slot in free[: len(self._queue)]])
+        busy = np.flatnonzero(self._slots.active)
+        if len(busy):
             self._decode_step(busy, finished)
         self._stats["time_s"] += time.perf_counter() - t
         return finished
 
     def abort(self, request_ids: Iterable[str]) -> list[Result]:
         """Stop these requests; their results hold exactly the tokens generated so far."""
+        t = time.perf_counter()
         ids = set(request_ids)
         out = [Result(r.request_id, [], [], [], "abort") for r, _ in self._queue if r.request_id in ids]
-        self._queue = collections.deque((r, s) for r, s in self._queue if r.request_id not in ids)
-        stopped = [i for i, slot in enumerate(self._slots) if slot is not None and slot.request.request_id in ids]
-        if self._parking is not None:
-            self._parking.park(self._cache, [(i, tuple(self._slots[i].request.prompt_ids) + tuple(self._slots[i].tokens))
-                                             for i in stopped])
-        for i in stopped:
-            out.append(self._slots[i].result("abort"))
-            self._end(i)
+        if out:
+            self._queue = collections.deque((r, s) for r, s in self._queue if r.request_id not in ids)
+        slots = self._slots
+        stopped = sorted(slots.slot_of[rid] for rid in ids if rid in slots.slot_of)
+        if self._parking is not None and stopped:
+            m = time.perf_counter()
+            self._parking.park(self._cache, [(i, slots.token_ids(i)) for i in stopped])
+            self._stats["model_s"] += time.perf_counter() - m
+        out += [slots.result(i, "abort") for i in stopped]
+        slots.end(stopped)
         self._stats["aborted"] += len(out)
+        self._stats["time_s"] += time.perf_counter() - t
         return out
 
     def abort_all(self) -> list[Result]:
-        ids = [r.request_id for r, _ in self._queue] + [s.request.request_id for s in self._slots if s is not None]
+        ids = [r.request_id for r, _ in self._queue] + list(self._slots.slot_of)
         return self.abort(ids)
 
     def update_weights(self, params, version: int) -> None:
@@ -264,26 +255,27 @@ class JaxEngine(PollingEngine):
 
     def warmup(self, modes=("greedy", "sample")) -> None:
         """Compile every prefill (bucket x power-of-two rows x shared or not) and decode program
-        up front, so no compile lands inside a rollout. Costs one compile per program."""
-        S = self.max_num_seqs
+        (batch bucket x length bucket) up front, so no compile lands inside a rollout. Extend
+        programs (resumed requests' suffixes) compile when first used."""
+        S, P = self.max_num_seqs, self._programs
         for mode in modes:
             for bucket in self.buckets:
-                rows = 1
-                while rows <= 1 << (S - 1).bit_length():
+                for rows in self._batch_buckets():
                     z = np.zeros(rows, np.int32)
                     for prompts in sorted({rows, max(1, rows // self.prefill_share)}):
-                        self._cache, *_ = self._prefill(
+                        self._cache, *_ = P.prefill(
                             self._state, self._cache, jnp.zeros(S, jnp.int32), jnp.full(rows, S, jnp.int32),
                             jnp.arange(rows, dtype=jnp.int32) % prompts, jnp.zeros((prompts, bucket), jnp.int32),
                             jnp.ones(prompts, jnp.int32), jnp.asarray(z, jnp.float32), jnp.ones(rows, jnp.float32),
                             jnp.asarray(z), jnp.asarray(z), mode=mode)
-                    rows *= 2
-            zs = jnp.zeros(S, jnp.int32)
-            for num_steps in self._num_steps_choices():
-                self._cache, *_ = self._decode(
-                    self._state, self._cache, zs, jnp.zeros(S, bool), jnp.zeros(S, jnp.float32),
-                    jnp.ones(S, jnp.float32), zs, zs, zs, zs, jnp.full((S, 4), -1, jnp.int32), mode=mode,
-                    num_steps=num_steps)
+            for rows in sorted({self._rows_bucket(n) for n in range(1, S + 1)}):
+                z = np.zeros(rows, np.int32)
+                for length in self.length_buckets:
+                    self._cache, *_ = P.decode(
+                        self._state, self._cache, jnp.zeros(S, jnp.int32), np.full(rows, S, np.int32),
+                        np.zeros(rows, bool), z.astype(np.float32), np.ones(rows, np.float32), z, z, z, z,
+                        np.full((rows, self._slots.stop_ids.shape[1]), -1, np.int32), np.int32(1), mode=mode,
+                        num_positions=length, steps_per_call=self.decode_steps_per_call)
         self._cache = self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32))
 
     def sleep(self) -> None:
@@ -309,27 +301,33 @@ class JaxEngine(PollingEngine):
         self._asleep = False
 
     def has_unfinished(self) -> bool:
-        return bool(self._queue or self._ready or any(s is not None for s in self._slots))
+        return bool(self._queue or self._ready or self._slots.slot_of)
 
     def num_unfinished(self) -> int:
-        return len(self._queue) + sum(s is not None for s in self._slots)
+        return len(self._queue) + len(self._slots.slot_of)
 
     def stats(self) -> dict:
         s = self._stats
         steps = max(s["decode_steps"], 1)
         return {
             "slots": self.max_num_seqs,
-            "busy_slots": sum(x is not None for x in self._slots),
+            "busy_slots": len(self._slots.slot_of),
             "queued": len(self._queue),
             "tokens_generated": s["tokens_generated"],
             "prefill_tokens": s["prefill_tokens"],
             "decode_steps": s["decode_steps"],
             "decode_calls": s["decode_calls"],
             "busy_slot_steps": s["busy_slot_steps"],
+            # Slot-steps the decode calls computed (their batch buckets), busy or padding.
+            "computed_slot_steps": s["computed_slot_steps"],
             "occupancy": s["busy_slot_steps"] / (steps * self.max_num_seqs),
             "aborted": s["aborted"],
             "errors": s["errors"],
+            # time_s: inside the engine's methods; model_s: of that, in device calls and waiting
+            # for their results; host_s: the rest (bookkeeping, batching, Python).
             "time_s": s["time_s"],
+            "model_s": s["model_s"],
+            "host_s": s["time_s"] - s["model_s"],
             "policy_version": self.policy_version,
             "kv_cache_bytes": 0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
             **{f"kv_{name}": getattr(self._parking, name, 0) for name in ("parked", "reused", "evicted")},
@@ -346,55 +344,115 @@ class JaxEngine(PollingEngine):
             self._parking.clear()
 
     # ---- internals ----
-    def _start(self, starting: list[tuple[int, Request, int]], finished: list[Result]) -> None:
-        """Prefill new requests, grouped by bucket length; row counts padded to powers of two.
-        Requests whose tokens are parked get their KV row back instead and go straight to decode."""
+    def _batch_buckets(self, smallest: int = 1) -> list[int]:
+        """Row counts of calls: powers of two from `smallest`, the last one `max_num_seqs`."""
+        S = self.max_num_seqs
+        return sorted({min(max(1 << i, smallest), S) for i in range((S - 1).bit_length() + 1)})
+
+    def _rows_bucket(self, n: int) -> int:
+        """Row count of a decode or extend call over n busy rows."""
+        if not self.compact_decode:
+            return self.max_num_seqs
+        return pow2_at_least(max(n, SMALLEST_ROWS_BUCKET), self.max_num_seqs)
+
+    def _start(self, starting: list[tuple[int, Request, int]]) -> None:
+        """Start requests in free slots. Parked rows come back without a prefill. The rest are
+        prefilled from their shared prefix (`Request.shared_prefix_len`, a group's prompt; else
+        the whole prompt), one prefill row per distinct prefix, grouped by bucket length; the
+        requests with more tokens after that prefix (resumed members) then take those tokens in
+        one batched extend call over their own slots."""
         if self._parking is not None and len(self._parking):
-            parked, keys = [], set()
-            for item in starting:
-                key = tuple(item[1].prompt_ids)
-                if key in self._parking and key not in keys:  # identical partials: one row, the rest prefill
-                    parked.append(item)
-                    keys.add(key)
-            if parked:
-                self._cache = self._parking.restore(self._cache, [(s, tuple(r.prompt_ids)) for s, r, _ in parked])
-                for slot, request, seed in parked:
-                    self._slots[slot] = _Slot(request, seed)
-                    self._rows.start(slot, request, seed, 0)
-                    self._next_token[slot] = request.prompt_ids[-1]  # its KV is not in the row yet
-                restored = {slot for slot, _, _ in parked}
-                starting = [item for item in starting if item[0] not in restored]
-        by_bucket = collections.defaultdict(list)
+            starting = self._restore_parked(starting)
+        by_bucket, suffixed = collections.defaultdict(list), []
         for item in starting:
-            by_bucket[next(b for b in self.buckets if b >= len(item[1].prompt_ids))].append(item)
+            prompt, p = item[1].prompt_ids, item[1].shared_prefix_len
+            prefix_len = p if 0 < p < len(prompt) else len(prompt)
+            by_bucket[bucket_for(prefix_len, self.buckets)].append((*item, prefix_len))
+            if prefix_len < len(prompt):
+                suffixed.append((*item, prefix_len))
+        slots = self._slots
         for bucket, items in sorted(by_bucket.items()):
-            prompts: dict[tuple, int] = {}  # distinct prompt -> its prefill row
-            for _, request, _ in items:
-                prompts.setdefault(tuple(request.prompt_ids), len(prompts))
-            rows = 1 << (len(items) - 1).bit_length()
+            # Requests prefilled whole first: the first tokens of the leading rows are theirs.
+            items.sort(key=lambda item: item[3] < len(item[1].prompt_ids))
+            whole = sum(n == len(request.prompt_ids) for _, request, _, n in items)
+            prefixes: dict[tuple, int] = {}  # distinct prefix -> its prefill row
+            for _, request, _, n in items:
+                prefixes.setdefault(request.prompt_ids[:n], len(prefixes))
+            rows = pow2_at_least(len(items), self.max_num_seqs)
             shared_rows = max(1, rows // self.prefill_share)
-            prefill_rows = shared_rows if len(prompts) <= shared_rows else rows
+            prefill_rows = shared_rows if len(prefixes) <= shared_rows else rows
             tokens, lengths = np.zeros((prefill_rows, bucket), np.int32), np.ones(prefill_rows, np.int32)
-            for prompt, r in prompts.items():
-                tokens[r, : len(prompt)], lengths[r] = prompt, len(prompt)
-                self._stats["prefill_tokens"] += len(prompt)
-            slots = np.full(rows, self.max_num_seqs, np.int32)  # out of range: dropped
+            for prefix, r in prefixes.items():
+                tokens[r, : len(prefix)], lengths[r] = prefix, len(prefix)
+                self._stats["prefill_tokens"] += len(prefix)
+            slot_M = np.full(rows, self.max_num_seqs, np.int32)  # out of range: dropped
             source = np.zeros(rows, np.int32)
-            temp, top_p, top_k, seeds = np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-            for r, (slot, request, seed) in enumerate(items):
-                sp = request.sampling
-                slots[r], source[r], seeds[r] = slot, prompts[tuple(request.prompt_ids)], seed
-                temp[r], top_p[r], top_k[r] = sp.temperature, sp.top_p, sp.top_k
+            slot_M[: len(items)] = [slot for slot, *_ in items]
+            source[: len(items)] = [prefixes[request.prompt_ids[:n]] for _, request, _, n in items]
+            for slot, request, seed, _ in items:
+                slots.start(slot, request, seed, 1)
+            args = self._sampling_args(slot_M[: len(items)], rows)
             # Host arrays go to the jitted call as numpy: its C++ path transfers them ~5x faster
-            # than jnp.asarray (which costs ~15 us an array, 17 arrays a step).
-            next_token = self._next_tokens()
-            self._cache, first, logprobs, self._next_token_dev = self._prefill(
-                self._state, self._cache, next_token, slots, source, tokens, lengths, temp, top_p, top_k, seeds,
-                mode=sampling.batch_mode(temp, top_p, top_k))
-            for slot, request, seed in items:
-                self._slots[slot] = _Slot(request, seed)
-                self._rows.start(slot, request, seed, 1)
-            self._pending.append((items, first, logprobs))
+            # than jnp.asarray.
+            self._cache, first, logprobs, self._next_token_dev = self._device(
+                self._programs.prefill, self._state, self._cache, self._next_tokens(), slot_M, source, tokens,
+                lengths, *args, mode=sampling.batch_mode(*args[:3]))
+            if whole:
+                self._pending.append((slot_M[:whole], first, logprobs))
+        if suffixed:
+            self._extend(suffixed)
+
+    def _extend(self, items: list[tuple[int, Request, int, int]]) -> None:
+        rows = self._rows_bucket(len(items))
+        longest = max(len(request.prompt_ids) - n for _, request, _, n in items)
+        T = bucket_for(longest, length_buckets(self.max_model_len, SMALLEST_SUFFIX_BUCKET))
+        slot_M = np.full(rows, self.max_num_seqs, np.int32)
+        tokens, lengths = np.zeros((rows, T), np.int32), np.ones(rows, np.int32)
+        for r, (slot, request, _, n) in enumerate(items):
+            suffix = request.prompt_ids[n:]
+            slot_M[r], tokens[r, : len(suffix)], lengths[r] = slot, suffix, len(suffix)
+            self._stats["prefill_tokens"] += len(suffix)
+        num_positions = bucket_for(max(len(request.prompt_ids) for _, request, _, _ in items), self.length_buckets)
+        args = self._sampling_args(slot_M[: len(items)], rows)
+        self._cache, first, logprobs, self._next_token_dev = self._device(
+            self._programs.extend, self._state, self._cache, self._next_tokens(), slot_M, tokens, lengths, *args,
+            mode=sampling.batch_mode(*args[:3]), num_positions=num_positions)
+        self._pending.append((slot_M[: len(items)], first, logprobs))
+
+    def _device(self, program, *args, **kw):
+        """Dispatch a device program, its time counted as the model's."""
+        t = time.perf_counter()
+        out = program(*args, **kw)
+        self._stats["model_s"] += time.perf_counter() - t
+        return out
+
+    def _restore_parked(self, starting):
+        """Slots whose prompt is exactly a parked row's tokens get that row back (identical
+        partials: one row, the rest prefill); returns the others."""
+        parked, keys = [], set()
+        for item in starting:
+            key = item[1].prompt_ids
+            if key in self._parking and key not in keys:
+                parked.append(item)
+                keys.add(key)
+        if not parked:
+            return starting
+        self._cache = self._device(self._parking.restore, self._cache, [(s, r.prompt_ids) for s, r, _ in parked])
+        for slot, request, seed in parked:
+            self._slots.start(slot, request, seed, 0)
+            self._next_token[slot] = request.prompt_ids[-1]  # its KV is not in the row yet
+        restored = {slot for slot, _, _ in parked}
+        return [item for item in starting if item[0] not in restored]
+
+    def _sampling_args(self, slots_N, rows: int):
+        """(temperature, top_p, top_k, seeds) of these slots, padded to `rows` with greedy rows."""
+        s, n = self._slots, len(slots_N)
+        out = []
+        for x, pad in ((s.temperature, 0.0), (s.top_p, 1.0), (s.top_k, 0), (s.seeds, 0)):
+            padded = np.full(rows, pad, x.dtype)
+            padded[:n] = x[slots_N]
+            out.append(padded)
+        return out
 
     def _next_tokens(self):
         """The decode input: the device copy holding this step's first tokens, else the host array
@@ -403,66 +461,70 @@ class JaxEngine(PollingEngine):
 
     def _read_first_tokens(self, finished: list[Result]) -> None:
         """Record the first tokens of this step's prefills (read back after the decode call is queued)."""
-        for items, first, logprobs in self._pending:
-            first, logprobs = np.asarray(first), np.asarray(logprobs)
-            for r, (slot, _, _) in enumerate(items):
-                self._append(slot, [int(first[r])], [float(logprobs[r])], finished)
+        slots = self._slots
+        for slots_N, first, logprobs in self._pending:
+            first, logprobs = np.asarray(first)[: len(slots_N)], np.asarray(logprobs)[: len(slots_N)]
+            slots.record(slots_N, np.zeros(len(slots_N), np.int32), first, logprobs, self.policy_version)
+            self._next_token[slots_N] = first
+            self._stats["tokens_generated"] += len(slots_N)
+            self._finish(slots_N, finished)
         self._pending = []
 
-    def _num_steps_choices(self) -> list[int]:
-        return [1 << i for i in range(self.decode_steps_per_call.bit_length()) if 1 << i <= self.decode_steps_per_call]
+    def _finish(self, slots_N, finished: list[Result]) -> None:
+        done, at_stop = self._slots.ended(slots_N)
+        finished += [self._slots.result(int(i), "stop" if stop else "length") for i, stop in zip(done, at_stop)]
+        self._slots.end(done)
 
-    def _decode_step(self, busy: list[int], finished: list[Result]) -> None:
-        rows = self._rows
-        # No more steps than the longest remaining request can use (a power of two bounds compiles).
-        room = int((rows.limits - rows.steps)[busy].max())
-        num_steps = max(n for n in self._num_steps_choices() if n <= max(room, 1))
+    def _decode_step(self, busy: np.ndarray, finished: list[Result]) -> None:
+        t = time.perf_counter()
+        s, n, S = self._slots, len(busy), self.max_num_seqs
+        rows = self._rows_bucket(n)
+        if self.compact_decode:
+            rows_B = np.full(rows, S, np.int32)
+            rows_B[:n] = busy
+        else:
+            rows_B = np.arange(S, dtype=np.int32)
+        pick = np.minimum(rows_B, S - 1)
+        # Copies (fancy indexing): the host goes on writing these arrays while the call may read them.
+        active_B = s.active[pick] & (rows_B < S)
+        # No more steps than the longest remaining request can use; the length bucket holds every
+        # row's cache (prompt + tokens - the pending one) plus the steps of this call.
+        max_steps = min(self.decode_steps_per_call, max(int((s.limits - s.steps)[busy].max()), 1))
+        need = int((s.prompt_len + s.steps - 1)[busy].max()) + max_steps
+        num_positions = bucket_for(min(need, self.max_model_len), self.length_buckets)
+        args = [s.temperature[pick], s.top_p[pick], s.top_k[pick], s.seeds[pick], s.steps[pick], s.limits[pick],
+                s.stop_ids[pick]]
         t0 = self.now()
-        next_token = self._next_tokens()
+        self._cache, tokens, logprobs, was_active = self._programs.decode(
+            self._state, self._cache, self._next_tokens(), rows_B, active_B, *args, np.int32(max_steps),
+            mode=sampling.batch_mode(s.temperature[busy], s.top_p[busy], s.top_k[busy]), num_positions=num_positions,
+            steps_per_call=self.decode_steps_per_call)
         self._next_token_dev = None
-        # Copies: the host goes on writing these arrays while the call may still read them.
-        args = [x.copy() for x in (rows.active, rows.temperature, rows.top_p, rows.top_k, rows.seeds, rows.steps,
-                                   rows.limits, rows.stop_ids)]
-        self._cache, tokens, logprobs, was_active = self._decode(
-            self._state, self._cache, next_token, *args,
-            mode=sampling.batch_mode(rows.temperature, rows.top_p, rows.top_k), num_steps=num_steps)
+        host = time.perf_counter()
         self._read_first_tokens(finished)  # a first token may end its request: its decode rows are dropped
+        host = time.perf_counter() - host
         tokens, logprobs, was_active = np.asarray(tokens), np.asarray(logprobs), np.asarray(was_active)
-        busy_per_step = was_active.sum(axis=1)
-        dt = (self.now() - t0) / num_steps
-        self.timeline.extend((t0 + (k + 1) * dt, int(n)) for k, n in enumerate(busy_per_step))
-        self._stats["decode_steps"] += num_steps
+        self._stats["model_s"] += time.perf_counter() - t - host
+        if not self.compact_decode:
+            tokens, logprobs, was_active = tokens[:, busy], logprobs[:, busy], was_active[:, busy]
+        tokens, logprobs, was_active = tokens[:, :n], logprobs[:, :n], was_active[:, :n]
+        ran = int(was_active.any(axis=1).sum())
+        busy_per_step = was_active[:ran].sum(axis=1)
+        dt = (self.now() - t0) / max(ran, 1)
+        self.timeline.extend((t0 + (k + 1) * dt, int(b)) for k, b in enumerate(busy_per_step))
+        self._stats["decode_steps"] += ran
         self._stats["decode_calls"] += 1
         self._stats["busy_slot_steps"] += int(busy_per_step.sum())
-        # A row stops on device at its stop token or length limit, so only its last token of the
-        # call can end it: per row, extend by the active prefix and check that one token.
-        counts = was_active.sum(axis=0).tolist()
-        tokens_BK, logprobs_BK = tokens.T.tolist(), logprobs.T.tolist()
-        for i in busy:
-            if self._slots[i] is not None:  # None: ended by its first token
-                self._append(i, tokens_BK[i][: counts[i]], logprobs_BK[i][: counts[i]], finished)
-        assert all(self._slots[i] is None for i in busy if not was_active[-1, i]), "host and device stop rules differ"
-
-    def _append(self, i: int, tokens: list[int], logprobs: list[float], finished: list[Result]) -> None:
-        """Record tokens of slot i (only the last may end the request) and end it if it should."""
-        slot = self._slots[i]
-        slot.tokens.extend(tokens)
-        slot.logprobs.extend(logprobs)
-        slot.versions.extend([self.policy_version] * len(tokens))
-        token = tokens[-1]
-        self._next_token[i] = token
-        self._rows.steps[i] = len(slot.tokens)
-        self._stats["tokens_generated"] += len(tokens)
-        request = slot.request
-        if token in request.stop_token_ids:
-            reason = "stop"
-        elif len(slot.tokens) >= request.max_new_tokens or len(request.prompt_ids) + len(slot.tokens) >= self.max_model_len:
-            reason = "length"
-        else:
-            return
-        finished.append(slot.result(reason))
-        self._end(i)
-
-    def _end(self, i: int) -> None:
-        self._slots[i] = None
-        self._rows.clear(i)
+        self._stats["computed_slot_steps"] += ran * len(rows_B)
+        # Rows ended by their first token (already answered) drop their decode output.
+        alive = s.active[busy]
+        was_active = was_active & alive[None]
+        k_N, b_N = np.nonzero(was_active)
+        s.record(busy[b_N], s.steps[busy][b_N] + k_N, tokens[k_N, b_N], logprobs[k_N, b_N], self.policy_version)
+        counts = was_active.sum(axis=0)
+        s.steps[busy] += counts.astype(np.int32)
+        self._next_token[busy[alive]] = s.tokens[busy[alive], np.maximum(s.steps[busy[alive]] - 1, 0)]
+        self._stats["tokens_generated"] += int(counts.sum())
+        ended_on_device = alive & (counts > 0) & ~was_active[max(ran - 1, 0)]
+        self._finish(busy[alive & (counts > 0)], finished)
+        assert not s.active[busy[ended_on_device]].any(), "host and device stop rules differ"

@@ -28,6 +28,10 @@ class Request:
     # Stable identity of the response across resumed segments (APRIL sets "group/index/attempt");
     # real engines ignore it, the simulated engine draws the response length from it.
     sample_key: str | None = None
+    # The first this-many prompt tokens are a prompt other requests share (a group's prompt, when
+    # a member resumes from prompt + partial response); the JAX engine prefills them once for all
+    # of them. 0: the whole prompt is the shared part. Other engines ignore it.
+    shared_prefix_len: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(map(int, self.prompt_ids)))  # map: ~3x the genexpr on long resumes
