@@ -1,5 +1,6 @@
 """The train step: micro-batching and sharding equal the plain step; GRPO learns; NaN steps are skipped."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -53,9 +54,14 @@ def test_micro_batched_equals_full_batch():
 def test_sharded_step_equals_single_device():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     batch = random_batch(B=8)
-    single = Trainer(qwen3.init_model(CFG, seed=2), LOSS, OptimizerConfig(lr=1e-3))
-    sharded = Trainer(qwen3.init_model(CFG, seed=2, mesh=mesh), LOSS, OptimizerConfig(lr=1e-3), mesh=mesh,
-                      micro_batch_size=4)
+    # with a KL term to a reference of other weights: the reference is sharded like the policy
+    loss = dataclasses.replace(LOSS, kl_coef=0.1)
+    ref = lambda m=None: qwen3.init_model(CFG, seed=9, mesh=m)
+    single = Trainer(qwen3.init_model(CFG, seed=2), loss, OptimizerConfig(lr=1e-3), reference=ref())
+    sharded = Trainer(qwen3.init_model(CFG, seed=2, mesh=mesh), loss, OptimizerConfig(lr=1e-3), mesh=mesh,
+                      micro_batch_size=4, reference=ref(mesh))
+    for r, p in zip(jax.tree.leaves(sharded.ref_params), jax.tree.leaves(sharded.params)):
+        assert r.sharding == p.sharding
     up = sharded.params["layers"][0]["mlp"]["up_proj"]["weight"]
     assert up.sharding.spec == P("tensor", "fsdp")
     mu = sharded.opt_state[1][0].mu["layers"][0]["mlp"]["up_proj"]["weight"]
@@ -64,10 +70,12 @@ def test_sharded_step_equals_single_device():
     m1, g1 = single.loss_and_grads(batch, 4)
     m8, g8 = sharded.loss_and_grads(batch, 4)
     np.testing.assert_allclose(float(m8["train/loss"]), float(m1["train/loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m8["train/kl"]), float(m1["train/kl"]), rtol=1e-5)
+    assert float(m1["train/kl"]) > 0.01
     np.testing.assert_allclose(flat(g8), flat(g1), atol=1e-6, rtol=1e-4)
     # The 4B/8B configs train sharded with rematerialised layers: same loss and gradients.
-    remat = Trainer(qwen3.init_model(CFG.replace(remat="full"), seed=2, mesh=mesh), LOSS, OptimizerConfig(lr=1e-3),
-                    mesh=mesh, micro_batch_size=4)
+    remat = Trainer(qwen3.init_model(CFG.replace(remat="full"), seed=2, mesh=mesh), loss, OptimizerConfig(lr=1e-3),
+                    mesh=mesh, micro_batch_size=4, reference=ref(mesh))
     mr, gr = remat.loss_and_grads(batch, 4)
     np.testing.assert_allclose(float(mr["train/loss"]), float(m1["train/loss"]), rtol=1e-5)
     np.testing.assert_allclose(flat(gr), flat(g1), atol=1e-6, rtol=1e-4)
