@@ -12,7 +12,9 @@ training, over the steps after the first, divided by the engine time of those st
 included). On the simulated engine (`--cost`: a GPU roofline preset, `april_jax/rollout/cost_model.py`)
 every replica has its own KV budget and groups are routed whole; `limit_tokens_per_s` is the
 delivered tokens over the least time any schedule needs for them under the same cost model and
-memory (`cost_model.time_lower_bound_s`), per run. On the JAX engine the model is a tiny random
+memory (`cost_model.time_lower_bound_s`), per run. On a roofline preset APRIL runs the design of
+issue 13 by default (refill as members finish, aborted KV parked within the budget, max_staleness
+16); `--refill groups --re-prefill --max-staleness 5` is the orchestrator before it. On the JAX engine the model is a tiny random
 Qwen3 whose responses stop at lengths drawn from the same distribution (via a per-sample length
 budget), so the length tail is the seed's and not an accident of random weights.
 """

@@ -81,6 +81,8 @@ def main():
     parser.add_argument("--step-overhead-ms", type=float, default=None)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--from-log", default=None, help="summarise the per-task JSON lines a sweep wrote to stderr "
+                        "(the rows whose runs are all there) instead of running")
     args = parser.parse_args()
     names = list(SECTIONS) if args.sections == ["all"] else args.sections
     for name in names:
@@ -89,8 +91,8 @@ def main():
     common = dict(cost=args.cost, steps=args.steps, step_overhead_ms=args.step_overhead_ms)
     rows = [(name, label, {**over, **common}) for name in names for label, over in SECTIONS[name]]
     tasks, seen = [], set()
-    for _, _, over in rows:
-        for seed in args.seeds:
+    for seed in args.seeds:  # seed by seed, so an interrupted sweep still has whole rows for the first seeds
+        for _, _, over in rows:
             kw = {**over, "seed": seed}
             sync_kw = {k: kw[k] for k in SHARED if k in kw}
             for task in (("sync", sync_kw), ("april", kw)):
@@ -98,24 +100,42 @@ def main():
                 if key not in seen:
                     seen.add(key)
                     tasks.append(task)
+    if args.from_log:
+        results = {}
+        with open(args.from_log) as f:
+            for line in f:
+                if line.startswith('{"task"'):
+                    d = json.loads(line)
+                    results[json.dumps(tuple(d["task"]), sort_keys=True)] = d["result"]
+        summarise(rows, results, args)
+        return
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
         results = {}
-        for i, (t, r) in enumerate(pool.imap_unordered(_run, tasks)):
+        for i, (t, r) in enumerate(pool.imap(_run, tasks)):
             results[json.dumps(t, sort_keys=True)] = r
-            print(f"[{i + 1}/{len(tasks)}] {json.dumps(t)}", file=sys.stderr, flush=True)
+            print(json.dumps({"task": t, "result": r}), file=sys.stderr, flush=True)
+    summarise(rows, results, args)
+
+
+def summarise(rows, results, args):
     summary = []
     for name, label, over in rows:
         per_seed = []
         for seed in args.seeds:
             kw = {**over, "seed": seed}
-            sync = results[json.dumps(("sync", {k: kw[k] for k in SHARED if k in kw}), sort_keys=True)]
-            april = results[json.dumps(("april", kw), sort_keys=True)]
+            sync = results.get(json.dumps(("sync", {k: kw[k] for k in SHARED if k in kw}), sort_keys=True))
+            april = results.get(json.dumps(("april", kw), sort_keys=True))
+            if sync is None or april is None:
+                continue
             r = row_result(sync, april)
             per_seed.append(r)
             print(json.dumps({"section": name, "row": label, "seed": seed, "config": over, **r}), flush=True)
+        if not per_seed:
+            continue
         stats = {k: {"mean": float(np.mean([r[k] for r in per_seed])), "min": float(np.min([r[k] for r in per_seed])),
                      "max": float(np.max([r[k] for r in per_seed]))} for k in per_seed[0]}
-        summary.append({"section": name, "row": label, "seeds": args.seeds, "config": over, **stats})
+        seeds = [seed for seed in args.seeds if json.dumps(("april", {**over, "seed": seed}), sort_keys=True) in results]
+        summary.append({"section": name, "row": label, "seeds": seeds, "config": over, **stats})
     for s in summary:
         print(json.dumps({"summary": True, **s}))
     if args.markdown:
@@ -126,12 +146,12 @@ def markdown(summary, args) -> str:
     def spread(s, k, fmt="{:.2f}"):
         return f"{fmt.format(s[k]['mean'])} ({fmt.format(s[k]['min'])}-{fmt.format(s[k]['max'])})"
 
-    lines = [f"{args.cost}, seeds {' '.join(map(str, args.seeds))}, {args.steps} steps: mean (min-max)", "",
-             "| section | row | speedup | APRIL / limit | sync / limit | on-policy frac | mean loss weight | "
+    lines = [f"{args.cost}, {args.steps} steps: mean (min-max) over the seeds listed", "",
+             "| section | row | seeds | speedup | APRIL / limit | sync / limit | on-policy frac | mean loss weight | "
              "delivered len APRIL / sync | dropped tokens | prefill time | preempted | KV peak / budget APRIL, sync |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        lines.append(f"| {s['section']} | {s['row']} | {spread(s, 'speedup')} | {spread(s, 'april_fraction_of_limit')} | "
+        lines.append(f"| {s['section']} | {s['row']} | {' '.join(map(str, s['seeds']))} | {spread(s, 'speedup')} | {spread(s, 'april_fraction_of_limit')} | "
                      f"{spread(s, 'sync_fraction_of_limit')} | {spread(s, 'april_on_policy_token_frac')} | "
                      f"{spread(s, 'april_mean_loss_weight')} | {s['april_delivered_len_mean']['mean']:.0f} / "
                      f"{s['sync_delivered_len_mean']['mean']:.0f} | {s['april_dropped_tokens']['mean'] / 1e6:.2f}M | "

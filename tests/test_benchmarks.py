@@ -39,6 +39,23 @@ def test_rollout_benchmark_cpu_model_and_a_bad_preset():
     assert proc.returncode != 0 and "--cost 'a100'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_rollout_sweep_prints_a_row_per_seed_and_a_summary(tmp_path):
+    proc = subprocess.run([sys.executable, "rollout_sweep.py", "--seeds", "0", "--steps", "2", "--sections", "parked_kv",
+                           "--jobs", "1", "--markdown"], cwd=BENCH, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    per_seed = [r for r in rows if "summary" not in r]
+    assert [r["row"] for r in per_seed] == ["parked KV off (re-prefill)"] and per_seed[0]["seed"] == 0
+    assert per_seed[0]["april_kv_peak_frac"] <= 1 and per_seed[0]["sync_kv_peak_frac"] <= 1
+    assert "| parked_kv | parked KV off (re-prefill) | 0 |" in proc.stdout
+    # The per-task log on stderr rebuilds the same summary without running anything.
+    log = tmp_path / "sweep.log"
+    log.write_text(proc.stderr)
+    again = subprocess.run([sys.executable, "rollout_sweep.py", "--seeds", "0", "--steps", "2", "--sections", "parked_kv",
+                            "--from-log", str(log)], cwd=BENCH, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and json.loads(again.stdout.splitlines()[0])["speedup"] == per_seed[0]["speedup"]
+
+
 def test_engine_benchmark_runs_and_matches_transformers_greedy():
     proc = subprocess.run([sys.executable, "engine.py", "--batches", "2", "--new-tokens", "6", "--prompt-len", "5"],
                           cwd=BENCH, capture_output=True, text=True, timeout=600)
