@@ -8,14 +8,15 @@ max_model_len=prompt_len + long)`, every slot busy, sampling at temperature 0.8 
 no stop tokens. Decode-only rate by difference: the same batch runs `short` and `long` new tokens
 (after a warm-up that compiles), so prefill, first calls and per-run overheads cancel:
 tokens/s = batch * (long - short) / (t_long - t_short). With 8 decode steps per call, long - 1
-and short - 1 multiples of 8 keep every call on the one compiled 8-step program.
+and short - 1 multiples of 8 keep every call a full one; the warm-up compiles every cache-length
+bucket the timed runs use.
 
 Roofline (a decode step must read every weight and the KV of every live token once):
 tokens/s = batch * HBM bandwidth / (weight bytes + batch * context * KV bytes per token), context
 the mean over the measured steps (prompt + (short + long) / 2). HBM bandwidth: the spec-sheet
 figure (H200: 4.8 TB/s, `gpu_common.HBM_BYTES_PER_S`); the measured copy bandwidth of the same
-run is reported beside it. `cache_roofline_tokens_per_s` charges the whole cache row instead
-(the contiguous cache's decode attention reads all max_model_len positions of every row).
+run is reported beside it. `cache_roofline_tokens_per_s` charges every row all max_model_len
+positions instead: the most the decode can read (it reads up to its cache-length bucket).
 """
 
 from __future__ import annotations
