@@ -152,14 +152,14 @@ def build_engine(c, model, max_model_len: int, version: int):
     from april_jax.rollout.vllm.server import VllmSetupError, find_vllm_python, prepare_model_dir
 
     urls = [u.strip() for u in c.rollout.vllm_urls.split(",") if u.strip()]
-    if urls:
-        return VllmEngine(urls=urls, api_key=os.environ.get("VLLM_API_KEY"), max_num_seqs=c.rollout.max_num_seqs,
-                          max_model_len=max_model_len, policy_version=version,
-                          weight_transport=c.rollout.weight_transport, sleep_mode=c.rollout.vllm_sleep_mode)
     try:
+        if urls:
+            return VllmEngine(urls=urls, api_key=os.environ.get("VLLM_API_KEY"), max_num_seqs=c.rollout.max_num_seqs,
+                              max_model_len=max_model_len, policy_version=version,
+                              weight_transport=c.rollout.weight_transport, sleep_mode=c.rollout.vllm_sleep_mode)
         python = find_vllm_python(c.rollout.vllm_python or None)
     except VllmSetupError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"rollout.vllm_urls: {e}" if urls else str(e)) from None
     # the server starts from the trainer's current weights, with the run's tokenizer
     init_dir = prepare_model_dir(model, Path(c.workdir) / "vllm_init", c.data.tokenizer_path or c.model.path or None)
     return VllmEngine(init_dir, python=python, max_num_seqs=c.rollout.max_num_seqs,

@@ -168,3 +168,17 @@ def test_a_server_lost_mid_rollout_is_recovered(tiny, cluster, engine):
     got = engine.generate([Request(f"b{i}", p, 12, GREEDY) for i, p in enumerate(PROMPTS * 2)])
     assert metric(servers[0], key, "vllm:request_success_total") - before == 5
     assert all(got[f"b{i}"].token_ids == short[str(i % len(PROMPTS))] for i in range(10))
+
+
+def test_attaching_with_a_wrong_key_or_a_dead_url_fails_at_once_in_one_line(cluster, monkeypatch):
+    from april_jax.rollout.vllm.server import VllmSetupError
+
+    servers, key, transport, _ = cluster
+    with pytest.raises(VllmSetupError, match="refused the key .*set VLLM_API_KEY") as e:
+        VllmEngine(urls=[s.url for s in servers], api_key="not-the-key", shared_dir=transport)
+    assert "\n" not in str(e.value)
+    with pytest.raises(VllmSetupError, match=r"127\.0\.0\.1:1 does not answer"):
+        VllmEngine(urls=[servers[0].url, "http://127.0.0.1:1"], api_key=key, shared_dir=transport)
+    monkeypatch.delenv("APRIL_JAX_TRANSPORT_DIR", raising=False)
+    with pytest.raises(VllmSetupError, match="give shared_dir"):
+        VllmEngine(urls=[servers[0].url], api_key=key)

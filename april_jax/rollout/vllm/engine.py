@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Iterable
 
 from april_jax.rollout.types import PollingEngine, Request, Result
-from april_jax.rollout.vllm.server import VllmServer, healthy
+from april_jax.rollout.vllm.server import VllmServer, VllmSetupError, healthy
 from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,12 @@ class VllmEngine(PollingEngine):
         if urls:
             transport_dir = shared_dir or os.environ.get(TRANSPORT_DIR_ENV)
             if not transport_dir:
-                raise ValueError(f"VllmEngine(urls=...): give shared_dir (or set ${TRANSPORT_DIR_ENV}): the folder "
+                raise VllmSetupError(f"vLLM servers to attach to: give shared_dir (or set ${TRANSPORT_DIR_ENV}): the folder "
                                  f"the attached servers were started with in ${TRANSPORT_DIR_ENV}")
             self.transport_dir = Path(transport_dir)
             self.urls, self.api_key = list(urls), api_key
+            for url in self.urls:
+                self._check_attached(url)
         else:
             if model_path is None:
                 raise ValueError("VllmEngine: give model_path (to launch a server) or urls (to attach)")
@@ -111,6 +113,20 @@ class VllmEngine(PollingEngine):
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read().decode()
         return json.loads(text) if text.strip() else {}
+
+    def _check_attached(self, url: str) -> None:
+        """One line now rather than every request failing later: the server answers and takes our key."""
+        if not healthy(url, timeout=10):
+            raise VllmSetupError(f"vLLM server {url} does not answer GET /health")
+        try:
+            req = urllib.request.Request(f"{url}/v1/models", headers=(
+                {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}))
+            urllib.request.urlopen(req, timeout=30).close()
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise VllmSetupError(f"vLLM server {url} refused the key (HTTP {e.code}): set VLLM_API_KEY to the "
+                                     f"key it was started with") from None
+            raise
 
     # ---- interface ----
     def submit(self, requests: Iterable[Request]) -> None:
