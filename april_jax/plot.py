@@ -64,6 +64,7 @@ def draw(runs: list[tuple[str, list[dict], bool]], out: Path, smooth: float) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, axes = plt.subplots(3, 4, figsize=(20, 11.5))
@@ -90,6 +91,7 @@ def draw(runs: list[tuple[str, list[dict], bool]], out: Path, smooth: float) -> 
                             linewidth=width, alpha=alpha, label=name)
         ax.set_title(title, fontsize=12, fontweight="bold")
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if ylim:
