@@ -7,8 +7,10 @@ One `collect` call is one training step's rollout, on any engine with the common
    level (prompt ids + generated ids, `max_new_tokens = max_response_len - generated`).
 2. Keep `over_sampling_batch_size` groups in flight: fresh prompts fill up to it, and refill it
    when a group is filtered out (DAPO dynamic sampling) or lost to the staleness policy. A resumed
-   group counts by its unfinished members (k of n counts k/n), so the engine is as full after a
-   resume as in a fresh step.
+   group counts by its unfinished members (k of n counts k/n; `resume_count="group"`: whole, as
+   slime), so the engine is as full after a resume as in a fresh step. With `refill="members"` the
+   budget is the unfinished requests / n instead, refilled as members finish: the engine stays full
+   all step (issue 13; benchmarks/RESULTS.md, "APRIL under a roofline cost model").
 3. A group counts when all its `n_samples_per_prompt` members are finished (stop, or truncated at
    the budget) and scored. The moment `rollout_batch_size` groups count, every other request is
    aborted; unfinished groups go to the buffer whole, with every token's behaviour logprob and version.
