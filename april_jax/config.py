@@ -94,6 +94,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.warmup.steps = 0
     c.warmup.lr = 3e-3
     c.warmup.batch_size = 64
+    c.warmup.reverse_frac = 1.0  # share of reversed (rewarded) answers; the rest are copies of the list
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10
@@ -168,6 +169,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for key in ("loss.norm_len", "optimizer.total_steps", "loss.kl_coef"):
         if given[key] < 0:
             raise ConfigError(f"config key {key!r}={given[key]}: must be >= 0")
+    if not 0.0 <= c.warmup.reverse_frac <= 1.0:
+        raise ConfigError(f"config key 'warmup.reverse_frac'={c.warmup.reverse_frac}: must be in [0, 1]")
     batch = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
     if c.train.micro_batch_size and batch % c.train.micro_batch_size:
         raise ConfigError(f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "

@@ -182,7 +182,8 @@ def evaluate(engine, prompts, scorer, c, stop_ids, version: int) -> dict:
                              out[r.request_id].finish_reason, int(r.request_id.split("/")[2])) for r in reqs]
     scores = np.array(scorer.model.score_many(samples))
     return {f"eval/avg@{c.eval.n_samples}": float(scores.mean()), "eval/accuracy": float(np.mean(scores >= 1.0)),
-            "eval/response_len": float(np.mean([len(out[r.request_id].token_ids) for r in reqs]))}
+            "eval/response_len": float(np.mean([len(out[r.request_id].token_ids) for r in reqs])),
+            "eval/version": version}
 
 
 def _truncate_log(file: Path, keep_below: int) -> None:
@@ -204,6 +205,7 @@ def run(c) -> dict:
     from april_jax.rl.train_step import Trainer
     from april_jax.rollout.april import April
 
+    started = time.perf_counter()
     if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_NTASKS", "1") != "1":
         jax.distributed.initialize()  # multi-host: the mesh then spans every host's devices
     workdir = Path(c.workdir)
@@ -221,8 +223,9 @@ def run(c) -> dict:
         from april_jax.data import reverse
         from april_jax.rl import sft
 
-        losses = sft.warmup(model, reverse.sft_examples(c.seed, 20_000), steps=c.warmup.steps, lr=c.warmup.lr,
-                            batch_size=c.warmup.batch_size, seed=c.seed)
+        examples = reverse.sft_examples(c.seed, 20_000, reverse_frac=c.warmup.reverse_frac)
+        losses = sft.warmup(model, examples, steps=c.warmup.steps, lr=c.warmup.lr, batch_size=c.warmup.batch_size,
+                            seed=c.seed)
         print(f"supervised warm-up: {c.warmup.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=sys.stderr)
     trainer = Trainer(model, config_lib.loss_cfg(c), config_lib.optimizer_cfg(c), mesh=mesh,
                       micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0,
@@ -256,8 +259,12 @@ def run(c) -> dict:
     last = {}
     try:
         for step in range(start, c.train.total_steps):
+            # a fresh run's step 0 scores the policy it starts from (the baseline RL improves on); later
+            # evals score the policy after their step's update: `eval/version` says which
+            start_eval = evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version) if step == 0 and c.eval.every else {}
             t0 = time.perf_counter()
             groups, metrics = april.collect(engine, version)
+            metrics.update(start_eval)
             t1 = time.perf_counter()
             if not groups:
                 raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
@@ -270,6 +277,7 @@ def run(c) -> dict:
             engine.update_weights(trainer.nnx_state() if c.rollout.engine != "sim" else None, version)
             t3 = time.perf_counter()
             metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+                            "time/elapsed_s": t3 - started,  # since the run began: warm-up and compiles included
                             "version": version})
             if c.eval.every and (step + 1) % c.eval.every == 0:
                 metrics.update(evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version))

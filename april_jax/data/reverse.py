@@ -1,9 +1,15 @@
 """The synthetic tiny task: reverse a list of digits. Verifiable, with long-tailed answer lengths.
 
 Prompt `<bos> R d1 d2 ... dn =`, answer `dn ... d1 <eos>`. List lengths follow the shape of the
-seed's distribution (50% short, 30% medium, 20% long): 1-4, 5-10, 11-24 digits. A character-level
-vocabulary of 16 tokens; the reward is the fraction of answer positions right (an exact answer
-scores 1; every missing or extra token counts as wrong).
+seed's distribution (60% short, 25% medium, 15% long): 2-5, 6-10, 11-20 digits, so responses run
+3-21 tokens and a synchronous step waits for its longest. A character-level vocabulary of 16
+tokens; the reward is the fraction of answer positions right (an exact answer scores 1; every
+missing or extra token counts as wrong).
+
+The supervised warm-up (`sft_examples`) shows the answer format with two rules: most examples
+copy the list, a minority (`reverse_frac`) reverse it. The warmed-up model answers by copying
+when greedy, but samples reversals often enough for GRPO to see that only they are paid, so RL,
+not the warm-up, makes the greedy answer the reversal (exact-match accuracy rises from ~0.1).
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from april_jax.rollout.types import PromptRecord
 PAD, BOS, EOS, REV, EQ = 0, 1, 2, 3, 4
 DIGIT0 = 5  # digits 0-9 are ids 5..14
 VOCAB_SIZE = 16
-LENGTH_BUCKETS = ((0.5, 1, 4), (0.3, 5, 10), (0.2, 11, 24))
-MAX_ANSWER = 25  # 24 digits + eos
+LENGTH_BUCKETS = ((0.6, 2, 5), (0.25, 6, 10), (0.15, 11, 20))
+MAX_ANSWER = 21  # 20 digits + eos
 
 
 def sample_digits(rng: np.random.Generator) -> list[int]:
@@ -78,10 +84,16 @@ def reward(response_ids, answer: str) -> float:
     return right / max(len(got), len(target))
 
 
-def sft_examples(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
+def copy_ids(digits: list[int]) -> list[int]:
+    return [DIGIT0 + d for d in digits] + [EOS]
+
+
+def sft_examples(seed: int, n: int, reverse_frac: float = 1.0) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer) pairs: a `reverse_frac` share reversed (the rewarded rule), the rest copied."""
     rng = np.random.default_rng([seed, 7])
     out = []
     for _ in range(n):
         digits = sample_digits(rng)
-        out.append((encode_prompt(digits), answer_ids(digits)))
+        answer = answer_ids(digits) if rng.random() < reverse_frac else copy_ids(digits)
+        out.append((encode_prompt(digits), answer))
     return out
