@@ -11,7 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+# What the trainer and `ckpt` read from a checkpoint's meta.
+META_KEYS = ("step", "version", "skipped_steps", "data", "april", "model_config")
 
 
 class CheckpointError(ValueError):
@@ -34,7 +38,52 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def restore_latest(self, params_like, opt_state_like, param_shardings=None, opt_shardings=None, log=print):
+        """(step, params, opt_state, meta) of the newest checkpoint that restores and is finite, or None.
+
+        Newer unreadable ones (an empty or corrupt directory, non-finite params) are moved to
+        checkpoints.unreadable/ (kept, not deleted) with one line through `log`, so that the run
+        continues from the newest valid one and can save those steps again. If none restores, the
+        newest one's error is raised and nothing is moved (a changed model config fails every
+        checkpoint: that is not corruption).
+        """
+        bad: list[tuple[int, str]] = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                params, opt_state, meta = self.restore(step, params_like, opt_state_like, param_shardings, opt_shardings)
+                missing = [k for k in META_KEYS if k not in meta]
+                if missing:
+                    raise CheckpointError(f"meta lacks {missing}")
+                if not all_finite(params) or not all_finite(opt_state):
+                    raise CheckpointError("non-finite parameters or optimiser state")
+            except Exception as e:  # tensorstore, orbax, JSON and key errors alike: the directory is unusable
+                bad.append((step, f"{type(e).__name__}: {_first_line(e)}"))
+                continue
+            for bad_step, why in bad:
+                moved = self._set_aside(bad_step)
+                log(f"warning: checkpoint {self.directory / str(bad_step)} is unreadable ({why}); moved to {moved}; "
+                    f"resuming from step {step}")
+            if bad:
+                self.manager.reload()
+            return step, params, opt_state, meta
+        if bad:
+            raise CheckpointError(f"{self.directory / str(bad[0][0])}: cannot restore ({bad[0][1]}) and no older "
+                                  f"checkpoint restores either")
+        return None
+
+    def _set_aside(self, step: int) -> Path:
+        target_dir = self.directory.parent / (self.directory.name + ".unreadable")
+        target_dir.mkdir(exist_ok=True)
+        target = target_dir / str(step)
+        n = 1
+        while target.exists():
+            target, n = target_dir / f"{step}.{n}", n + 1
+        (self.directory / str(step)).rename(target)
+        return target
+
     def save(self, step: int, params, opt_state, meta: dict) -> None:
+        if not all_finite(params) or not all_finite(opt_state):  # never replace good checkpoints by NaNs
+            raise CheckpointError(f"refusing to save checkpoint {step}: non-finite parameters or optimiser state")
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta)))
@@ -52,25 +101,44 @@ class Checkpointer:
         self.manager.close()
 
 
+def all_finite(tree) -> bool:
+    """True if every float leaf of `tree` is finite (one reduction per leaf, on device)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves)) if leaves else True
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else repr(e)
+
+
 def read_meta(step_dir) -> dict:
-    """The JSON meta of one checkpoint directory (WORKDIR/checkpoints/STEP)."""
+    """The JSON meta of one checkpoint directory (WORKDIR/checkpoints/STEP), checked for april's keys."""
     import json
 
     file = Path(step_dir) / "meta" / "metadata"
     if not file.exists():
         raise CheckpointError(f"{step_dir}: not an april_jax checkpoint (no meta/metadata)")
-    return json.loads(file.read_text())
+    try:
+        meta = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise CheckpointError(f"{step_dir}: not an april_jax checkpoint (its meta lacks {', '.join(missing)})")
+    return meta
 
 
 def resolve_step_dir(path) -> Path:
     """PATH may be a step dir, a checkpoints dir (latest step) or a workdir (its latest step)."""
-    path = Path(path)
+    given = Path(path)
+    path = given.absolute()  # orbax reads relative paths as nothing (0 parameters)
     if not path.exists():
-        raise CheckpointError(f"{path}: checkpoint not found")
+        raise CheckpointError(f"{given}: checkpoint not found")
     if (path / "meta").exists():
         return path
     for base in (path, path / "checkpoints"):
         steps = sorted((int(p.name), p) for p in base.glob("*") if p.name.isdigit() and (p / "meta").exists())
         if steps:
             return steps[-1][1]
-    raise CheckpointError(f"{path}: no checkpoint in it")
+    raise CheckpointError(f"{given}: no checkpoint in it")

@@ -1,7 +1,8 @@
 """Inspect and export training checkpoints.
 
     python -m april_jax.ckpt inspect PATH [--json]     PATH: workdir, checkpoints dir or step dir
-    python -m april_jax.ckpt export-hf PATH OUT        a transformers-loadable checkpoint
+    python -m april_jax.ckpt export-hf PATH OUT        a transformers-loadable checkpoint (OUT new or empty,
+                                                       or --force to replace the model files in it)
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from april_jax.checkpointing import CheckpointError, read_meta, resolve_step_dir
+from april_jax.models.safetensors_io import CheckpointError as WeightsError
 
 
 def describe(path) -> dict:
@@ -42,7 +45,18 @@ def describe(path) -> dict:
     }
 
 
-def export_hf(path, out) -> None:
+def check_export_target(out, force: bool = False) -> None:
+    """OUT must be a new or empty directory, or --force: an export replaces model*.safetensors,
+    the index and config.json of whatever checkpoint is there."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"{out}: directory is not empty (an export would replace its model files); "
+                              f"choose a new directory or pass --force")
+
+
+def export_hf(path, out, force: bool = False) -> None:
     import orbax.checkpoint as ocp
     import jax
     from flax import nnx
@@ -51,6 +65,7 @@ def export_hf(path, out) -> None:
 
     step_dir = resolve_step_dir(path)
     meta = read_meta(step_dir)
+    check_export_target(out, force)
     cfg = qwen3.Qwen3Config.from_hf_config(meta["model_config"],
                                            param_dtype=meta["model_config"].get("torch_dtype", "float32"))
     tokenizer_dir = tokenizer_source(meta)
@@ -119,7 +134,11 @@ def main(argv=None) -> None:
     e = sub.add_parser("export-hf")
     e.add_argument("path")
     e.add_argument("out")
+    e.add_argument("--force", action="store_true", help="write into a non-empty OUT (replaces its model files)")
     args = parser.parse_args(argv)
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's missing-metadata warnings are not the user's problem
     try:
         if args.cmd == "inspect":
             info = describe(args.path)
@@ -135,9 +154,9 @@ def main(argv=None) -> None:
             print(f"  partial buffer: {b['groups']} groups ({b['complete_groups']} complete), "
                   f"{b['partial_samples']} partial samples, {b['tokens']} tokens; dropped prompts {info['dropped_prompts']}")
         else:
-            export_hf(args.path, args.out)
+            export_hf(args.path, args.out, force=args.force)
             print(f"wrote {args.out}")
-    except (CheckpointError, FileNotFoundError) as err:
+    except (CheckpointError, WeightsError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2)
 

@@ -9,6 +9,7 @@ names the key and the expected type.
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 
 import ml_collections
@@ -49,6 +50,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.system_prompt = ""
     c.data.chat_template_kwargs = ""  # JSON object passed to the chat template, e.g. '{"enable_thinking": false}'
     c.data.max_prompt_len = 512
+    c.data.overlong_prompt = "error"  # a prompt longer than max_prompt_len: "error" (names the row) or "skip"
     c.data.tokenizer_path = ""  # dir with tokenizer.json; empty: model.path ("asset:qwen3-tokenizer": real Qwen3)
 
     c.reward = ml_collections.ConfigDict()
@@ -89,6 +91,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.total_steps = 100
     c.train.micro_batch_size = 0  # 0: the whole batch at once
     c.train.num_iterations = 1  # PPO epochs over each rollout
+    c.train.max_skipped_steps = 3  # stop with an error after this many consecutive skipped (non-finite) steps
 
     c.warmup = ml_collections.ConfigDict()  # supervised warm-up before RL (fresh runs only)
     c.warmup.steps = 0
@@ -155,6 +158,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             raise ConfigError(f"config key {key!r} expects {type(expected).__name__}, got {value!r} "
                               f"({type(value).__name__})")
     choices = {"rollout.engine": ("jax", "vllm", "sim"), "data.task": ("file", "reverse"),
+               "data.overlong_prompt": ("error", "skip"), "optimizer.schedule": ("constant", "cosine"),
                "rollout.weight_transport": ("shm", "file", "cuda_ipc"),
                "loss.advantage": ("grpo", "drgrpo", "rloo"), "model.dtype": tuple(qwen3.DTYPES),
                "model.compute_dtype": tuple(qwen3.DTYPES), "model.remat": tuple(qwen3.REMAT_POLICIES),
@@ -163,14 +167,21 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         if given[key] not in allowed:
             raise ConfigError(f"config key {key!r}={given[key]!r}: expected one of {allowed}")
     for key in ("train.total_steps", "checkpoint.every", "checkpoint.keep", "train.num_iterations",
-                "rollout.decode_steps_per_call"):
+                "rollout.decode_steps_per_call", "train.max_skipped_steps", "warmup.batch_size", "reward.workers",
+                "data.max_prompt_len", "rollout.max_num_seqs", "eval.n_samples"):
         if given[key] <= 0:
             raise ConfigError(f"config key {key!r}={given[key]}: must be > 0")
-    for key in ("loss.norm_len", "optimizer.total_steps", "loss.kl_coef"):
+    for key in ("loss.norm_len", "optimizer.total_steps", "loss.kl_coef", "train.micro_batch_size", "warmup.steps",
+                "eval.every", "eval.num_prompts", "rollout.max_model_len", "reward.overlong_buffer"):
         if given[key] < 0:
             raise ConfigError(f"config key {key!r}={given[key]}: must be >= 0")
     if not 0.0 <= c.warmup.reverse_frac <= 1.0:
         raise ConfigError(f"config key 'warmup.reverse_frac'={c.warmup.reverse_frac}: must be in [0, 1]")
+    for key in ("optimizer.lr", "warmup.lr"):
+        if not math.isfinite(given[key]) or given[key] < 0:
+            raise ConfigError(f"config key {key!r}={given[key]}: must be a finite number >= 0")
+    rollout_cfg(c)  # before the cross-field rules below: a bad rollout key is blamed, not what uses it
+    loss_cfg(c)
     batch = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
     if c.train.micro_batch_size and batch % c.train.micro_batch_size:
         raise ConfigError(f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "
@@ -184,8 +195,6 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if c.log.wandb_mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"config key 'log.wandb_mode'={c.log.wandb_mode!r}: expected 'online', 'offline' or 'disabled'")
     chat_template_kwargs(c)
-    rollout_cfg(c)
-    loss_cfg(c)
     return c
 
 

@@ -7,7 +7,9 @@ checkpoint (params, optimiser state, step, version, RNG, data position, APRIL pa
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -37,6 +39,24 @@ def _coerce_check(argv: list[str]) -> None:
                 raise ConfigError(f"config key {key!r} expects {type(expected).__name__}, got {value!r}") from None
 
 
+def _check_config_file(argv: list[str]) -> str:
+    """The --config FILE, checked to exist and to parse (absl's own errors do not name it)."""
+    file = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+    file = file or next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if not file:
+        raise ConfigError("missing --config FILE (e.g. --config configs/tiny.py)")
+    path = Path(file.split(":", 1)[0] if not Path(file).exists() else file)  # FILE:arg selects a variant
+    if not path.is_file():
+        raise ConfigError(f"config file {file}: not found")
+    try:
+        compile(path.read_bytes(), str(path), "exec")
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}:{e.lineno}: syntax error ({e.msg})") from None
+    except ValueError as e:  # null bytes and the like
+        raise ConfigError(f"config file {path}: {e}") from None
+    return str(path)
+
+
 def load_config(argv: list[str]):
     """Parse --config FILE and --config.* overrides with ml_collections config_flags."""
     from absl import flags
@@ -44,15 +64,16 @@ def load_config(argv: list[str]):
 
     config_lib.check_overrides(argv)
     _coerce_check(argv)
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        raise ConfigError("missing --config FILE (e.g. --config configs/tiny.py)")
+    file = _check_config_file(argv)
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "training config file", flag_values=fv, lock_config=True,
                                     sys_argv=argv)
     try:
         fv(argv)
-    except (flags.Error, FileNotFoundError, OSError, KeyError, TypeError, ValueError) as e:
+    except (flags.Error, KeyError, TypeError, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    except Exception as e:  # the config file's own code failed (get_config raised): name the file
+        raise ConfigError(f"config file {file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     c = config_lib.validate(fv.config)
     from april_jax import assets
 
@@ -79,18 +100,26 @@ def build_task(c, model_path: str | None):
 
     tok = load_tokenizer(c.data.tokenizer_path or model_path, system_prompt=c.data.system_prompt,
                          chat=c.data.chat_template, template_kwargs=config_lib.chat_template_kwargs(c))
+    lengths = dict(max_prompt_len=c.data.max_prompt_len, overlong=c.data.overlong_prompt)
     train = PromptDataset(read_rows(c.data.train_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
-                          seed=c.seed, shuffle=c.data.shuffle, max_prompt_len=c.data.max_prompt_len)
+                          seed=c.seed, shuffle=c.data.shuffle, **lengths)
+    datasets = [train]
     eval_prompts = []
     if c.data.eval_path:
         ev = PromptDataset(read_rows(c.data.eval_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
-                           shuffle=False, max_prompt_len=c.data.max_prompt_len)
+                           shuffle=False, **lengths)
         eval_prompts = [next(ev) for _ in range(min(c.eval.num_prompts, len(ev.rows)))]
+        datasets.append(ev)
+    for ds in datasets:
+        if ds.skipped:
+            print(f"data.overlong_prompt=skip: skipped {len(ds.skipped)} of {len(ds.skipped) + len(ds.rows)} prompts "
+                  f"longer than data.max_prompt_len={c.data.max_prompt_len} tokens (first: {ds.skipped[0]})",
+                  file=sys.stderr)
     if not tok.template and any(not isinstance(r[0], str) for r in train.rows):
         raise ConfigError(f"{c.data.train_path}: prompts are chat messages but no chat template is used "
                           "(data.chat_template=false or the tokenizer has none)")
     reward = RewardModel(c.reward.fn, timeout_s=c.reward.timeout_s, workers=c.reward.workers)
-    return (train, eval_prompts, tuple(tok.stop_ids), reward, tok.tok.get_vocab_size(), tok.decode,
+    return (train, eval_prompts, tuple(tok.stop_ids), reward, tok.vocab_size, tok.decode,
             lambda ids: tok.decode(ids, skip_special_tokens=False))
 
 
@@ -187,37 +216,128 @@ def evaluate(engine, prompts, scorer, c, stop_ids, version: int) -> dict:
 
 
 def _truncate_log(file: Path, keep_below: int) -> None:
-    """Keep only lines of steps < keep_below: a resumed run re-does later steps."""
-    if file.exists():
-        lines = [l for l in file.read_text().splitlines() if l.strip() and json.loads(l)["step"] < keep_below]
-        file.write_text("".join(l + "\n" for l in lines))
+    """Keep only lines of steps < keep_below: a resumed run re-does later steps. A torn last line
+    (the process was killed mid-write) is dropped."""
+    if not file.exists():
+        return
+    kept = []
+    for line in file.read_text(errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] < keep_below:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    file.write_text("".join(l + "\n" for l in kept))
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (it diverged, or every reward failed); the message says why and what was kept."""
+
+
+def check_vocab(c, task_vocab: int | None) -> None:
+    """Token ids past the model's embedding would be clamped silently: compare the sizes up front."""
+    from april_jax.models import qwen3
+
+    if task_vocab is None or (not c.model.path and c.model.arch == "tiny"):
+        return  # the tiny model is sized to the task's vocabulary
+    if c.model.path:
+        from april_jax.models.hf import read_config
+
+        model_vocab, what = read_config(c.model.path).get("vocab_size"), f"model.path={c.model.path}"
+    elif c.model.arch in qwen3.PRESETS:
+        model_vocab, what = qwen3.PRESETS[c.model.arch].vocab_size, f"model.arch={c.model.arch}"
+    else:
+        return  # build_model names the bad arch
+    if model_vocab is not None and task_vocab > int(model_vocab):
+        source = c.data.tokenizer_path or c.model.path or "the task"
+        raise ConfigError(f"the tokenizer ({source}) has {task_vocab} tokens but the model ({what}) only "
+                          f"{model_vocab}: set data.tokenizer_path to the model's tokenizer")
 
 
 def run(c) -> dict:
     import jax
 
+    from april_jax.workdir_lock import WorkdirLock
+
+    started = time.perf_counter()
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_NTASKS", "1") != "1":
+        jax.distributed.initialize()  # multi-host: the mesh then spans every host's devices
+    workdir = Path(c.workdir)
+    lock = WorkdirLock(workdir) if jax.process_index() == 0 else None  # hosts share one workdir
+    if lock is not None and workdir.exists():
+        lock.acquire()  # a second trainer stops here, before loading anything
+    try:
+        return _run(c, workdir, lock, started)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(c, workdir: Path, lock, started: float) -> dict:
+    from april_jax.models import sharding
+
+    mesh = sharding.make_mesh(c.mesh.to_dict())
+    # Everything that can reject bad input runs before the workdir is touched.
+    task = build_task(c, c.model.path or None)
+    with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse, however the run ends
+        cleanup.callback(task[3].close)
+        return _train(c, workdir, lock, mesh, task, cleanup, started)
+
+
+class _MarkFailedRewards:
+    """Wraps a GroupScorer: a group whose every reward failed (an exception, NaN or a timeout: the
+    model counts them) has its samples marked, so that a step of such groups trains nothing. The
+    mark travels with buffered groups (delivered, or checkpointed, in a later step)."""
+
+    def __init__(self, scorer, reward):
+        self.scorer, self.reward = scorer, reward
+
+    def submit_group(self, group):
+        return _MarkedScores(self.scorer.submit_group(group), group, self.reward)
+
+
+class _MarkedScores:
+    def __init__(self, pending, group, reward):
+        self.pending, self.group, self.reward, self._result = pending, group, reward, None
+
+    def done(self) -> bool:
+        return self.pending.done()
+
+    def __getattr__(self, name):  # futures and whatever else APRIL reads from a PendingScores
+        return getattr(self.pending, name)
+
+    def result(self) -> list[float]:
+        if self._result is None:
+            before = self.reward.failures + self.reward.timeouts
+            self._result = self.pending.result()
+            failed = self.reward.failures + self.reward.timeouts - before >= len(self.group.samples)
+            for s in self.group.samples:
+                s.metadata["reward_failed"] = failed
+        return self._result
+
+
+def _train(c, workdir: Path, lock, mesh, task, cleanup, started: float) -> dict:
+    import jax
+
     from april_jax.checkpointing import Checkpointer
     from april_jax.metrics import MetricsWriter
-    from april_jax.models import sharding
     from april_jax.rl.advantages import overlong_penalty
     from april_jax.rl.batch import groups_to_batch
     from april_jax.rl.rewards import GroupScorer
     from april_jax.rl.train_step import Trainer
     from april_jax.rollout.april import April
 
-    started = time.perf_counter()
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_NTASKS", "1") != "1":
-        jax.distributed.initialize()  # multi-host: the mesh then spans every host's devices
-    workdir = Path(c.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(c.to_json(indent=2))
-    mesh = sharding.make_mesh(c.mesh.to_dict())
-
-    train_prompts, eval_prompts, stop_ids, reward, vocab, decode, decode_prompt = build_task(c, c.model.path or None)
+    train_prompts, eval_prompts, stop_ids, reward, vocab, decode, decode_prompt = task
+    check_vocab(c, vocab)
     mesh = mesh if jax.device_count() > 1 else None
     model = build_model(c, mesh, vocab)
+    if lock is not None:
+        lock.acquire()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(c.to_json(indent=2))
     max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
     ckpt = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep)
+    cleanup.callback(ckpt.close)
     latest = ckpt.latest_step()
     if latest is None and c.warmup.steps:  # fresh run: supervised warm-up before RL
         from april_jax.data import reverse
@@ -237,16 +357,18 @@ def run(c) -> dict:
 
     scorer = GroupScorer(reward, decode, decode_prompt, overlong if c.reward.overlong_buffer else None)
     eval_scorer = GroupScorer(reward, decode, decode_prompt)
-    april = April(config_lib.rollout_cfg(c, stop_ids), train_prompts, scorer)
-    start, version = 0, 0
-    if latest is not None:
-        params, opt_state, meta = ckpt.restore(latest, trainer.params, trainer.opt_state,
-                                               trainer.param_shardings, trainer.opt_shardings)
-        trainer.params, trainer.opt_state = params, opt_state
+    april = April(config_lib.rollout_cfg(c, stop_ids), train_prompts, _MarkFailedRewards(scorer, reward))
+    start, version, rng = 0, 0, {}
+    restored = ckpt.restore_latest(trainer.params, trainer.opt_state, trainer.param_shardings, trainer.opt_shardings,
+                                   log=lambda line: print(line, file=sys.stderr))
+    if restored is not None:
+        latest, trainer.params, trainer.opt_state, meta = restored
         trainer.skipped_steps = meta["skipped_steps"]
-        start, version = meta["step"], meta["version"]
+        start, version, rng = meta["step"], meta["version"], meta.get("rng", {})
         train_prompts.load_state_dict(meta["data"])
         april.load_state_dict(meta["april"])
+        reward.failures = int(rng.get("reward_failures", 0))
+        reward.timeouts = int(rng.get("reward_timeouts", 0))
         print(f"resumed from {ckpt.directory / str(latest)} (step {start}, version {version}, "
               f"{len(april.buffer)} buffered groups)", file=sys.stderr)
     for name in ("metrics.jsonl", "delivered.jsonl"):
@@ -255,49 +377,67 @@ def run(c) -> dict:
     writer = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
                            total_steps=c.train.total_steps, wandb_project=c.log.wandb_project,
                            wandb_mode=c.log.wandb_mode, config=json.loads(c.to_json()))
+    cleanup.callback(writer.close)
     engine = build_engine(c, trainer.model(), max_model_len, version)
-    last = {}
-    try:
-        for step in range(start, c.train.total_steps):
-            # a fresh run's step 0 scores the policy it starts from (the baseline RL improves on); later
-            # evals score the policy after their step's update: `eval/version` says which
-            start_eval = evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version) if step == 0 and c.eval.every else {}
-            t0 = time.perf_counter()
-            groups, metrics = april.collect(engine, version)
-            metrics.update(start_eval)
-            t1 = time.perf_counter()
-            if not groups:
-                raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
-            batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
-            engine.sleep()
+    cleanup.callback(engine.shutdown)
+    if rng.get("engine") is not None and hasattr(engine, "set_rng_state"):
+        engine.set_rng_state(rng["engine"])
+    last, skipped_in_a_row, save_due, last_good = {}, 0, False, ckpt.latest_step()
+    for step in range(start, c.train.total_steps):
+        # a fresh run's step 0 scores the policy it starts from (the baseline RL improves on); later
+        # evals score the policy after their step's update: `eval/version` says which
+        start_eval = evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version) if step == 0 and c.eval.every else {}
+        t0 = time.perf_counter()
+        groups, metrics = april.collect(engine, version)
+        metrics.update(start_eval)
+        t1 = time.perf_counter()
+        if not groups:
+            raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
+        batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
+        engine.sleep()
+        rewards_failed = all(s.metadata.get("reward_failed") for g in groups for s in g.samples)
+        if rewards_failed:  # nothing to learn from: a broken reward function is not a zero reward
+            trainer.skipped_steps += 1
+            metrics.update({"train/skipped": 1.0, "train/skipped_steps": trainer.skipped_steps})
+        else:
             metrics.update(trainer.update(batch, version, c.train.num_iterations))  # pi_old once, then epochs
-            t2 = time.perf_counter()
-            version += 1
-            engine.wake_up()
-            engine.update_weights(trainer.nnx_state() if c.rollout.engine != "sim" else None, version)
-            t3 = time.perf_counter()
-            metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
-                            "time/elapsed_s": t3 - started,  # since the run began: warm-up and compiles included
-                            "version": version})
-            if c.eval.every and (step + 1) % c.eval.every == 0:
-                metrics.update(evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version))
-            with open(workdir / "delivered.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
-            if (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps:
-                t4 = time.perf_counter()
-                meta = {"step": step + 1, "version": version, "skipped_steps": trainer.skipped_steps,
-                        "data": train_prompts.state_dict(), "april": april.state_dict(),
-                        "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
-                ckpt.save(step + 1, trainer.params, trainer.opt_state, meta)
-                metrics["time/ckpt_s"] = time.perf_counter() - t4
-            metrics.update({"reward/failures": reward.failures, "reward/timeouts": reward.timeouts})  # eval's too
-            writer.write(step, metrics)
-            last = metrics
-    finally:
-        engine.shutdown()
-        ckpt.close()
-        writer.close()
-        reward.close()
+        skipped = metrics["train/skipped"] > 0
+        t2 = time.perf_counter()
+        version += 1
+        engine.wake_up()
+        engine.update_weights(trainer.nnx_state() if c.rollout.engine != "sim" else None, version)
+        t3 = time.perf_counter()
+        metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+                        "time/elapsed_s": t3 - started,  # since the run began: warm-up and compiles included
+                        "version": version})
+        if c.eval.every and (step + 1) % c.eval.every == 0:
+            metrics.update(evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version))
+        with open(workdir / "delivered.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+        # A checkpoint is written only after a step that trained: a resume then redoes the skipped ones.
+        save_due = save_due or (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps
+        if save_due and not skipped:
+            t4 = time.perf_counter()
+            rng = {"engine": engine.rng_state() if hasattr(engine, "rng_state") else None,
+                   "reward_failures": reward.failures, "reward_timeouts": reward.timeouts}
+            meta = {"step": step + 1, "version": version, "skipped_steps": trainer.skipped_steps,
+                    "data": train_prompts.state_dict(), "april": april.state_dict(), "rng": rng,
+                    "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
+            ckpt.save(step + 1, trainer.params, trainer.opt_state, meta)
+            metrics["time/ckpt_s"] = time.perf_counter() - t4
+            save_due, last_good = False, step + 1
+        metrics.update({"reward/failures": reward.failures, "reward/timeouts": reward.timeouts})  # eval's too
+        writer.write(step, metrics)
+        last = metrics
+        if skipped_in_a_row >= c.train.max_skipped_steps:
+            why = ("every reward failed (an exception, NaN or a timeout)" if rewards_failed else
+                   f"non-finite loss, gradient or updated parameters (loss {metrics.get('train/loss')}, "
+                   f"grad norm {metrics.get('train/grad_norm')})")
+            kept = f"{ckpt.directory / str(last_good)}" if last_good is not None else "none written"
+            raise TrainingError(f"stopped after {skipped_in_a_row} skipped steps in a row "
+                                f"(train.max_skipped_steps={c.train.max_skipped_steps}) at step {step}: {why}; "
+                                f"last good checkpoint: {kept}")
     return last
 
 
@@ -308,12 +448,13 @@ def main(argv: list[str] | None = None) -> None:
         run(c)
     except ConfigError as e:
         fail(str(e))
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, TrainingError) as e:
         from april_jax.checkpointing import CheckpointError
         from april_jax.data.dataset import DataError
+        from april_jax.data.tokenizer import TokenizerError
         from april_jax.models.safetensors_io import CheckpointError as WeightsError
 
-        if isinstance(e, (DataError, CheckpointError, WeightsError, FileNotFoundError)):
+        if isinstance(e, (DataError, CheckpointError, WeightsError, TokenizerError, FileNotFoundError, TrainingError)):
             fail(str(e))
         raise
 

@@ -58,10 +58,11 @@ def test_parquet_rows_and_long_prompt_error(tmp_path):
     pq.write_table(pa.table({"prompt": ["a", "bbbbbb"], "answer": [1, 2]}), tmp_path / "d.parquet")
     rows = read_rows(str(tmp_path / "d.parquet"), "prompt", "answer")
     assert rows[1][:2] == ("bbbbbb", "2") and rows[1][2].endswith("d.parquet:row 1")
-    ds = PromptDataset(rows, lambda s: list(range(len(s))), shuffle=False, max_prompt_len=3)
-    assert next(ds).prompt_ids == [0]
+    encode = lambda s: list(range(len(s)))
     with pytest.raises(DataError, match=r"d.parquet:row 1: prompt has 6 tokens, more than data.max_prompt_len=3"):
-        next(ds)
+        PromptDataset(rows, encode, shuffle=False, max_prompt_len=3)  # up front, not when drawn
+    ds = PromptDataset(rows, encode, shuffle=False, max_prompt_len=3, overlong="skip")
+    assert [next(ds).prompt_ids for _ in range(2)] == [[0], [0]] and ds.skipped == [rows[1][2]]
     pq.write_table(pa.table({"prompt": [""], "answer": [1]}), tmp_path / "e.parquet")
     with pytest.raises(DataError, match=r"e.parquet:row 0: field 'prompt' must be a non-empty string"):
         read_rows(str(tmp_path / "e.parquet"), "prompt", "answer")

@@ -45,15 +45,25 @@ def read_rows(path: str, prompt_key: str, answer_key: str) -> list[tuple]:
     if not file.exists():
         raise DataError(f"{file}: dataset file not found")
     rows = []
+    if file.is_dir():
+        raise DataError(f"{file}: a directory, not a dataset file")
     if file.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(file).to_pylist()
+        try:
+            table = pq.read_table(file).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{file}: not a readable parquet file ({str(e).splitlines()[0]})") from None
         records = [(f"{file}:row {i}", r) for i, r in enumerate(table)]
     elif file.suffix in (".jsonl", ".json"):
         records = []
-        with open(file) as f:
-            for n, line in enumerate(f, 1):
+        with open(file, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{file}:{n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
                 if not line.strip():
                     continue
                 try:
@@ -80,10 +90,31 @@ class PromptDataset:
     """Endless epochs over the rows, each epoch shuffled with (seed, epoch). `uid` = epoch:index."""
 
     def __init__(self, rows, encode: Callable[[str | list], list[int]], *, seed: int = 0, shuffle: bool = True,
-                 max_prompt_len: int = 0):
+                 max_prompt_len: int = 0, overlong: str = "error"):
         self.rows, self.encode, self.seed, self.shuffle = rows, encode, seed, shuffle
         self.max_prompt_len = max_prompt_len
         self.epoch, self.index = 0, 0
+        self.skipped: list[str] = []  # sources of prompts dropped as longer than max_prompt_len
+        if max_prompt_len:
+            self._check_lengths(overlong)
+
+    def _check_lengths(self, overlong: str) -> None:
+        """Every prompt is encoded once up front: a long one fails now, naming its row, not when drawn
+        hours in (and again on every resume); with overlong='skip' it is left out and counted."""
+        fits = []
+        for row in self.rows:
+            n = len(self.encode(row[0]))
+            if n <= self.max_prompt_len:
+                fits.append(row)
+            elif overlong == "skip":
+                self.skipped.append(row[2])
+            else:
+                raise DataError(f"{row[2]}: prompt has {n} tokens, more than data.max_prompt_len={self.max_prompt_len} "
+                                f"(raise it, or set data.overlong_prompt=skip)")
+        if not fits:
+            raise DataError(f"{self.rows[0][2].rsplit(':', 1)[0]}: every prompt is longer than "
+                            f"data.max_prompt_len={self.max_prompt_len}")
+        self.rows = fits
 
     def _order(self, epoch: int) -> np.ndarray:
         n = len(self.rows)
@@ -100,8 +131,6 @@ class PromptDataset:
         uid = f"{self.epoch}:{self.index}"
         self.index += 1
         ids = self.encode(prompt)
-        if self.max_prompt_len and len(ids) > self.max_prompt_len:
-            raise DataError(f"{source}: prompt has {len(ids)} tokens, more than data.max_prompt_len={self.max_prompt_len}")
         return PromptRecord(uid=uid, prompt_ids=ids, answer=answer, source=source, prompt=prompt,
                             fields=rest[0] if rest else {})
 

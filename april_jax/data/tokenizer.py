@@ -15,6 +15,20 @@ from pathlib import Path
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 
 
+class TokenizerError(ValueError):
+    """A malformed tokenizer file; the message names it."""
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        out = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{file}: invalid JSON ({e})") from None
+    if not isinstance(out, dict):
+        raise TokenizerError(f"{file}: expected a JSON object")
+    return out
+
+
 class ChatTokenizer:
     def __init__(self, path, *, system_prompt: str = "", chat: bool = True, template_kwargs: dict | None = None):
         from tokenizers import Tokenizer
@@ -23,9 +37,12 @@ class ChatTokenizer:
         file = path / "tokenizer.json"
         if not file.exists():
             raise FileNotFoundError(f"{file}: not found (the checkpoint needs a tokenizer.json)")
-        self.tok = Tokenizer.from_file(str(file))
+        try:
+            self.tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+            raise TokenizerError(f"{file}: not a readable tokenizer ({str(e).splitlines()[0][:200]})") from None
         cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        cfg = _read_json(cfg_file) if cfg_file.exists() else {}
         template = cfg.get("chat_template")
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
@@ -33,7 +50,7 @@ class ChatTokenizer:
         self.system_prompt = system_prompt
         self.template_kwargs = dict(template_kwargs or {})
         self.special = {k: cfg.get(k) for k in ("bos_token", "eos_token")}
-        model_cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+        model_cfg = _read_json(path / "config.json") if (path / "config.json").exists() else {}
         eos = model_cfg.get("eos_token_id")
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         ids |= {self.tok.token_to_id(t) for t in END_OF_TURN if self.tok.token_to_id(t) is not None}
@@ -62,6 +79,11 @@ class ChatTokenizer:
 
     def encode_prompt(self, prompt: str | list[dict]) -> list[int]:
         return self.tok.encode(self.render(prompt), add_special_tokens=False).ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run below this (added tokens included): the model's embedding must be at least as large."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

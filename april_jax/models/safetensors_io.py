@@ -1,8 +1,13 @@
-"""Minimal safetensors reader/writer on numpy memory maps.
+"""safetensors files through the `safetensors` library, with errors that name the file.
 
-Why not `safetensors.numpy`: numpy has no bfloat16, and real Qwen3 checkpoints are bf16. Here
-tensors are memory-mapped with `ml_dtypes` dtypes, so a device shard reads only its own slice of
-the file (a 8B checkpoint never needs a full host copy per device).
+Reading: `safe_open(..., framework="numpy")` memory-maps each file and `get_slice(name)[index]`
+reads only the slice a device shard needs (bf16 comes back as an `ml_dtypes.bfloat16` array), so
+an 8B checkpoint never needs a full host copy per device. Writing: the library's `save_file`
+(it writes from the arrays' own buffers, no copy) into a temporary name, fsync, then rename.
+
+`layout` stays ours: the shared-memory weight transport (`april_jax.weights.SharedSafetensors`)
+lays a file out once and overwrites each tensor in place every sync, which the library's
+whole-file writers cannot do.
 """
 
 from __future__ import annotations
@@ -27,55 +32,61 @@ class CheckpointError(ValueError):
     """A checkpoint file or tensor is missing or malformed; the message names it."""
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
 class SafetensorsDir:
     """All tensors of `model.safetensors` or of the files listed in `model.safetensors.index.json`."""
 
     def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {_first_line(e)})") from None
         elif single.exists():
             files = ["model.safetensors"]
         else:
             raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
-        self._entries: dict[str, tuple[np.memmap, np.dtype, tuple[int, ...], int, int]] = {}
+        self._files: dict[str, object] = {}  # tensor name -> the open file holding it
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for name in files:
             file = self.path / name
             if not file.exists():
                 raise CheckpointError(f"{file}: listed in the index but missing")
-            self._read_header(file)
-
-    def _read_header(self, file: Path):
-        with open(file, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        data = np.memmap(file, dtype=np.uint8, mode="r")
-        base = 8 + header_len
-        for tensor, info in header.items():
-            if tensor == "__metadata__":
-                continue
-            if info["dtype"] not in _DTYPES:
-                raise CheckpointError(f"{file}: tensor {tensor!r} has unsupported dtype {info['dtype']}")
-            start, end = info["data_offsets"]
-            self._entries[tensor] = (data, _DTYPES[info["dtype"]], tuple(info["shape"]), base + start, base + end)
+            try:
+                handle = safe_open(str(file), framework="numpy")
+                for tensor in handle.keys():
+                    info = handle.get_slice(tensor)
+                    if info.get_dtype() not in _DTYPES:
+                        raise CheckpointError(f"{file}: tensor {tensor!r} has unsupported dtype {info.get_dtype()}")
+                    self._files[tensor], self._shapes[tensor] = handle, tuple(info.get_shape())
+            except CheckpointError:
+                raise
+            except Exception as e:  # SafetensorError: truncated file, bad header, not safetensors at all
+                raise CheckpointError(f"{file}: not a readable safetensors file ({_first_line(e)})") from None
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._files
 
     def keys(self):
-        return self._entries.keys()
+        return self._files.keys()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name][2]
+        return self._shapes[name]
 
     def read(self, name: str, index=None) -> np.ndarray:
-        """The tensor (a memory-mapped view; only the pages `index` touches are read)."""
-        data, dtype, shape, start, end = self._entries[name]
-        array = data[start:end].view(dtype).reshape(shape)
-        return array if index is None else array[index]
+        """The tensor, or only its `index` slice (a tuple of slices, as sharding callbacks pass)."""
+        part = self._files[name].get_slice(name)
+        return part[...] if index is None or index is Ellipsis else part[index]
 
 
 def layout(tensors: dict[str, np.ndarray]) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -96,15 +107,18 @@ def layout(tensors: dict[str, np.ndarray]) -> tuple[bytes, dict[str, tuple[int, 
 
 
 def save_file(tensors: dict[str, np.ndarray], file: str | os.PathLike) -> None:
-    """Write `tensors` as one safetensors file, atomically (temp file + rename)."""
+    """Write `tensors` as one safetensors file, atomically (temp file + fsync + rename)."""
+    from safetensors.numpy import save_file as library_save_file
+
     file = Path(file)
-    arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
-    prefix, _ = layout(arrays)
+    arrays = {}
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)  # the library writes from the raw buffer: it must be contiguous
+        if a.dtype not in _NAMES:
+            raise CheckpointError(f"tensor {name!r}: dtype {a.dtype} cannot be written to safetensors")
+        arrays[name] = a
     tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(prefix)
-        for array in arrays.values():
-            f.write(memoryview(array.reshape(-1).view(np.uint8)))
-        f.flush()
+    library_save_file(arrays, str(tmp), metadata={"format": "pt"})
+    with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, file)

@@ -5,8 +5,8 @@ on its NamedSharding from the model's logical axes; the step is one `jax.jit` ov
 explicit in/out shardings and donated params and optimiser state. Gradients accumulate over
 micro-batches in a `lax.scan`, so activation memory is bounded by the micro-batch; the loss
 divides by batch-wide denominators, so the micro-batched gradient equals the full-batch one.
-A step whose loss or gradient is not finite is skipped (params and optimiser state unchanged)
-and counted.
+A step whose loss, gradient or updated params are not finite is skipped (params and optimiser
+state unchanged) and counted.
 
 Batch (numpy or jax, S = padded prompt + response length, T = S - 1 prediction positions):
     input_ids [B, S] int32; loss_mask [B, T] (1 where the target token is a response token);
@@ -248,6 +248,8 @@ class Trainer:
         updates, new_opt = self.tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         ok = jnp.isfinite(metrics["train/loss"]) & jnp.isfinite(grad_norm)
+        # A finite gradient can still make non-finite params (lr=inf, fp32 overflow): check them too.
+        ok &= jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_params)]))
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         metrics["train/skipped"] = (~ok).astype(jnp.int32)
         return keep(new_params, params), keep(new_opt, opt_state), metrics

@@ -333,6 +333,13 @@ class JaxEngine(PollingEngine):
             **{f"kv_{name}": getattr(self._parking, name, 0) for name in ("parked", "reused", "evicted")},
         }
 
+    def rng_state(self) -> dict:
+        """The request-seed generator's state (JSON-able); a checkpoint keeps it for a bit-identical resume."""
+        return self._seeds.bit_generator.state
+
+    def set_rng_state(self, state: dict) -> None:
+        self._seeds.bit_generator.state = state
+
     def now(self) -> float:
         """Seconds since the engine started (the clock APRIL measures throughput with)."""
         return time.perf_counter() - self._t0

@@ -1,0 +1,41 @@
+"""One trainer per workdir: an exclusive `fcntl.flock` on WORKDIR/.lock for the run's lifetime.
+
+Two trainers on one workdir would interleave metrics.jsonl / delivered.jsonl and race on the
+checkpoints. The kernel releases a flock when its process dies (kill -9 included), so a crashed
+run never leaves a stale lock behind and a restart resumes at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from april_jax.config import ConfigError
+
+LOCK_NAME = ".lock"
+
+
+class WorkdirLock:
+    def __init__(self, workdir):
+        self.workdir = Path(workdir)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Create the workdir if needed and lock it; fails with one line if another trainer holds it."""
+        if self._fd is not None:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.workdir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"workdir {self.workdir} is in use by another trainer (it holds "
+                              f"{self.workdir / LOCK_NAME}); wait for it or choose another --config.workdir") from None
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
