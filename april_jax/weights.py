@@ -49,15 +49,30 @@ def named_torch(params) -> dict:
     return out
 
 
+def host_numpy(tensor) -> np.ndarray:
+    """A host numpy array of a torch tensor or array: GPU tensors are copied to the host, and
+    bf16 goes through an int16 view (torch's `.numpy()` refuses bf16; numpy has ml_dtypes')."""
+    if not hasattr(tensor, "numpy"):
+        return np.asarray(tensor)
+    import torch
+
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
 def write_safetensors(named: dict, path) -> None:
-    save_file({k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v)) for k, v in named.items()}, path)
+    save_file({k: host_numpy(v) for k, v in named.items()}, path)
 
 
 class SharedSafetensors:
     """A fixed-layout safetensors file (in /dev/shm) that each sync overwrites in place."""
 
     def __init__(self, example: dict, path):
-        arrays = {k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v)) for k, v in example.items()}
+        arrays = {k: host_numpy(v) for k, v in example.items()}
         prefix, spans = layout(arrays)
         size = max(end for _, end in spans.values())
         with open(path, "wb") as f:
@@ -71,7 +86,7 @@ class SharedSafetensors:
         if named.keys() != self._views.keys():
             raise KeyError(f"{self.path}: tensor names differ from the buffer's layout")
         for k, v in named.items():
-            np.copyto(self._views[k], v.numpy() if hasattr(v, "numpy") else np.asarray(v))
+            np.copyto(self._views[k], host_numpy(v))
         # no msync: /dev/shm pages are the shared memory itself
 
     def close(self) -> None:

@@ -57,3 +57,19 @@ def test_shared_buffer_overwrites_in_place_and_reads_back(tmp_path):
     size = (tmp_path / "shared.safetensors").stat().st_size
     buffer.write(weights.named_torch(a))
     assert (tmp_path / "shared.safetensors").stat().st_size == size
+
+
+def test_bf16_params_go_through_both_host_transports(tmp_path):
+    """torch's `.numpy()` refuses bf16: the file and shm transports must still carry bf16 params."""
+    import safetensors.torch
+
+    model = qwen3.init_model(CFG.replace(param_dtype=jax.numpy.bfloat16), seed=6)
+    named = weights.named_torch(model)
+    assert named["model.norm.weight"].dtype == torch.bfloat16
+    weights.write_safetensors(named, tmp_path / "file.safetensors")
+    buffer = weights.SharedSafetensors(named, tmp_path / "shared.safetensors")
+    buffer.write(named)
+    for path in (tmp_path / "file.safetensors", buffer.path):
+        loaded = safetensors.torch.load_file(path)
+        assert loaded.keys() == named.keys()
+        assert all(loaded[k].dtype == torch.bfloat16 and torch.equal(loaded[k], v) for k, v in named.items())
