@@ -193,7 +193,7 @@ def build_engine(c, model, max_model_len: int, version: int):
     init_dir = prepare_model_dir(model, Path(c.workdir) / "vllm_init", c.data.tokenizer_path or c.model.path or None)
     return VllmEngine(init_dir, python=python, max_num_seqs=c.rollout.max_num_seqs,
                       max_model_len=max_model_len, policy_version=version, log_dir=c.workdir,
-                      dtype=c.model.dtype, weight_transport=c.rollout.weight_transport,
+                      dtype=c.model.compute_dtype, weight_transport=c.rollout.weight_transport,
                       sleep_mode=c.rollout.vllm_sleep_mode)
 
 

@@ -132,7 +132,7 @@ def test_configs_parse_and_validate():
     c = load_config(["x", "--config", str(ROOT / "configs/qwen3_4b.py"), "--config.rollout.over_sampling_batch_size=96"])
     assert (c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt, c.rollout.over_sampling_batch_size) == (32, 8, 96)
     assert c.rollout.temperature == 0.8 and c.optimizer.lr == 1e-6 and c.rollout.max_response_len == 16384
-    assert c.model.dtype == "bfloat16" and c.rollout.engine == "vllm" and c.model.remat == "full"
+    assert (c.model.dtype, c.model.compute_dtype) == ("float32", "bfloat16") and c.rollout.engine == "vllm" and c.model.remat == "full"
     assert load_config(["x", "--config", str(ROOT / "configs/qwen3_8b.py")]).mesh.tensor == 2
     from april_jax.config import ConfigError
 
