@@ -27,7 +27,11 @@ import importlib
 import inspect
 import math
 import multiprocessing
+import os
+import signal
 import sys
+import threading
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -127,9 +131,32 @@ def _ready() -> None:
     """A no-op task: makes the pool start its workers."""
 
 
-def _load_in_worker(spec: str) -> None:
+def _exit_with_owner(owner_pid: int) -> None:
+    """Runs in a worker thread: a SIGKILLed trainer leaves its forkserver and workers behind (the
+    forkserver does not notice; a worker stuck in a reward never would), so each worker polls its
+    owner and, once it is gone or a zombie, takes the forkserver (its parent) down with itself."""
+    server = os.getppid()
+    while True:
+        time.sleep(0.5)
+        try:
+            os.kill(owner_pid, 0)
+            with open(f"/proc/{owner_pid}/stat") as f:
+                alive = f.read().rpartition(")")[2].split()[0] != "Z"
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            alive = False
+        if not alive:
+            try:
+                os.kill(server, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os._exit(1)
+
+
+def _load_in_worker(spec: str, owner_pid: int | None = None) -> None:
     """Worker initializer: import the reward function (math-verify: with sympy, 2-4 s) before the
     worker takes a task, so no call's timeout pays for imports (also in a replacement worker)."""
+    if owner_pid is not None:
+        threading.Thread(target=_exit_with_owner, args=(owner_pid,), daemon=True).start()
     _WORKER_FNS.setdefault(spec, load_function(spec))
     if spec == "math_verify":
         import math_verify  # noqa: F401
@@ -211,7 +238,7 @@ class RewardModel:
                 preload.append(main_spec.name)
             context.set_forkserver_preload(["__main__", __name__, *preload])
             self._pool = pebble.ProcessPool(max_workers=workers, context=context, initializer=_load_in_worker,
-                                            initargs=(spec,))
+                                            initargs=(spec, os.getpid()))
             for _ in range(workers):  # start the server and workers now, while the trainer compiles
                 self._pool.schedule(_ready)
 
