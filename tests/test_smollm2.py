@@ -63,7 +63,7 @@ def test_export_hf_writes_tokenizer_and_eos_and_generates_like_jax(smollm2, tmp_
     path, model = smollm2
     hf_config = model.cfg.to_hf_config()
     hf_config.pop("eos_token_id")
-    meta = {"step": 1, "version": 1, "skipped_steps": 0, "model_config": hf_config,
+    meta = {"step": 1, "version": 1, "skipped_steps": 0, "model_config": hf_config, "data": {}, "april": {},
             "config": {"model": {"path": ""}, "data": {"task": "file", "tokenizer_path": str(path)}}}
     ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
     ckpt.save(1, nnx.to_pure_dict(nnx.state(model)), {"count": np.zeros((), np.int32)}, meta)
