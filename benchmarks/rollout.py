@@ -11,10 +11,13 @@ after every step, as in training. Throughput counts only response tokens of grou
 training, over the steps after the first, divided by the engine time of those steps (weight syncs
 included). On the simulated engine (`--cost`: a GPU roofline preset, `april_jax/rollout/cost_model.py`)
 every replica has its own KV budget and groups are routed whole; `limit_tokens_per_s` is the
-delivered tokens over the least time any schedule needs for them under the same cost model and
-memory (`cost_model.time_lower_bound_s`), per run. On a roofline preset APRIL runs the design of
-issue 13 by default (refill as members finish, aborted KV parked within the budget, max_staleness
-16); `--refill groups --re-prefill --max-staleness 5` is the orchestrator before it. On the JAX engine the model is a tiny random
+counted tokens over the least time any schedule needs for them under the same cost model, memory
+and staleness cap (each response's tokens within the steps its cap allows: `max_staleness` for
+APRIL, 0 for sync; `cost_model.time_lower_bound_s` with windows), per run;
+`free_limit_tokens_per_s` drops the staleness windows. On a roofline preset APRIL runs the design of
+issue 13 by default (refill as members finish, aborted KV parked within the budget, requests in
+flight sized by the cap and the KV budget, max_staleness 4: at most 5 policy versions per response);
+`--refill groups --re-prefill --inflight over_sampling` is the orchestrator before it. On the JAX engine the model is a tiny random
 Qwen3 whose responses stop at lengths drawn from the same distribution (via a per-sample length
 budget), so the length tail is the seed's and not an accident of random weights.
 """
@@ -110,7 +113,7 @@ def rollout_config(mode: str, args) -> RolloutConfig:
                          over_sampling_batch_size=32 if sync else args.over_sampling, partial_rollout=not sync,
                          max_response_len=args.max_response_len, max_staleness=args.max_staleness, temperature=1.0,
                          refill="groups" if sync else args.refill, resume_count=args.resume_count,
-                         stale_policy=args.stale_policy)
+                         stale_policy=args.stale_policy, inflight="over_sampling" if sync else args.inflight)
 
 
 def run(mode: str, args) -> dict:
@@ -125,13 +128,21 @@ def run(mode: str, args) -> dict:
     useful = useful_ctx = 0
     prompt_lens, lengths = [], []
     steps = []
+    windows = []  # per response with tokens in the window: tokens, sum sqrt(context), context sum, first, last step
+    # the staleness a delivered response can have: its tokens come from the steps [d - cap, d]
+    cap = cfg.max_staleness if cfg.partial_rollout else 0
 
-    def count_useful(g):  # tokens generated in the window (versions >= w): their number and context sum
+    def count_useful(g, step=None):  # tokens generated in the window (versions >= w): their number and context sum
         nonlocal useful, useful_ctx
         for s in g.samples:
             index = np.flatnonzero(np.asarray(s.response_versions, np.int64) >= w)
+            if not index.size:
+                continue
+            ctx = len(s.prompt_ids) + index
             useful += index.size
-            useful_ctx += int(index.size * len(s.prompt_ids) + index.sum())
+            useful_ctx += int(ctx.sum())
+            first, last = (0, args.steps - w - 1) if step is None else (max(step - cap, w) - w, step - w)
+            windows.append((index.size, float(np.sqrt(ctx).sum()), float(ctx.sum()), first, last))
 
     for step in range(args.steps):
         if step == w:
@@ -143,8 +154,9 @@ def run(mode: str, args) -> dict:
         if step >= w:
             delivered_tokens += m["rollout/tokens"]
             for g in groups:
-                prompt_lens.append(len(g.prompt.prompt_ids))
-                count_useful(g)
+                if min(min(s.response_versions) for s in g.samples) >= w:  # prefilled within the window
+                    prompt_lens.append(len(g.prompt.prompt_ids))
+                count_useful(g, step)
                 for s in g.samples:
                     stale = step - np.asarray(s.response_versions)
                     on_policy += float(np.sum(stale == 0))
@@ -172,9 +184,16 @@ def run(mode: str, args) -> dict:
         # 20-step window is short beside APRIL's buffer); equal to the delivered rate for sync.
         out["tokens_per_s"] = out["useful_tokens_per_s"]
         replicas = len(engine.replicas)
-        bound = cost_model.time_lower_bound_s(engine.cost, tokens=useful, ctx_sum=useful_ctx, prompt_lens=prompt_lens,
-                                              slots=args.slots, replicas=replicas, syncs=args.steps - w)
-        out.update(limit_tokens_per_s=useful / bound, time_s=time,
+        kw = dict(tokens=useful, ctx_sum=useful_ctx, prompt_lens=prompt_lens, slots=args.slots, replicas=replicas,
+                  syncs=args.steps - w)
+        free = cost_model.time_lower_bound_s(engine.cost, **kw)
+        bound = free
+        if not isinstance(engine.cost, cost_model.LinearCPU):
+            cols = np.asarray(windows, float).T
+            bound = cost_model.time_lower_bound_s(engine.cost, **kw, windows=cost_model.StalenessWindows(
+                tokens=cols[0], sqrt_ctx=cols[1], ctx=cols[2], first=cols[3].astype(int), last=cols[4].astype(int),
+                steps=args.steps - w))
+        out.update(limit_tokens_per_s=useful / bound, free_limit_tokens_per_s=useful / free, time_s=time,
                    prefill_time_frac=(s_end["prefill_time_s"] - s_start["prefill_time_s"]) / (replicas * time),
                    kv_bytes_peak=s_end["kv_bytes_peak"], kv_bytes_budget=engine.cost.kv_budget_bytes,
                    preempted=s_end["preempted"] - s_start["preempted"])
@@ -202,11 +221,13 @@ def main():
                         help="default: 64 x length scale, at least 8 (all lengths scaled alike)")
     parser.add_argument("--over-sampling", type=int, default=64, help="APRIL's over_sampling_batch_size")
     parser.add_argument("--max-staleness", type=int, default=None,
-                        help="default: 16 on a roofline preset (the design of issue 13), else 5")
+                        help="default: 4 on a roofline preset (at most 5 policy versions per response), else 5")
     parser.add_argument("--stale-policy", choices=["restart", "drop_group"], default="restart")
     parser.add_argument("--refill", choices=["groups", "members"], default=None,
                         help="APRIL's in-flight budget (default: members on a roofline preset, else groups)")
     parser.add_argument("--resume-count", choices=["fraction", "group"], default="fraction")
+    parser.add_argument("--inflight", choices=["over_sampling", "auto"], default=None,
+                        help="APRIL's in-flight limit (default: auto on a roofline preset, else over_sampling)")
     parser.add_argument("--prefill-ms-per-token", type=float, default=None,
                         help="--cost cpu-jax only; default: the CPU-calibrated 0.73")
     parser.add_argument("--step-overhead-ms", type=float, default=None, help="roofline presets: per decode step (default 1)")
@@ -224,7 +245,9 @@ def main():
         parser.error(f"--cost {args.cost!r}: unknown; choose from cpu-jax, {', '.join(cost_model.PRESETS)}")
     design = args.engine == "sim" and args.cost != "cpu-jax"  # the design of issue 13 on the roofline presets
     if args.max_staleness is None:
-        args.max_staleness = 16 if design else 5
+        args.max_staleness = 4 if design else 5
+    if args.inflight is None:
+        args.inflight = "auto" if design else "over_sampling"
     if args.refill is None:
         args.refill = "members" if design else "groups"
     if design and not args.re_prefill:
@@ -261,7 +284,7 @@ def compare(args) -> dict:
         "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
         "reuse_aborted_kv": args.reuse_aborted_kv, "decode_steps_per_call": args.decode_steps_per_call,
         "over_sampling": args.over_sampling, "max_staleness": args.max_staleness, "refill": args.refill,
-        "resume_count": args.resume_count, "stale_policy": args.stale_policy,
+        "resume_count": args.resume_count, "stale_policy": args.stale_policy, "inflight": args.inflight,
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
         "speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
         "limit_tokens_per_s": round(limit, 1), "limit_before_after": [round(x, 1) for x in limits],
@@ -286,6 +309,11 @@ def compare(args) -> dict:
         budget = april_cost.get("kv_budget_bytes")
         out["kv_bytes_budget"] = budget
         out["sync_limit_tokens_per_s"] = round(sync["limit_tokens_per_s"], 1)
+        # the limits without the staleness windows (any schedule, any staleness): what the cap costs
+        out["free_limit_tokens_per_s"] = round(april["free_limit_tokens_per_s"], 1)
+        out["april_fraction_of_free_limit"] = round(april["tokens_per_s"] / april["free_limit_tokens_per_s"], 3)
+        out["sync_fraction_of_free_limit"] = round(sync["tokens_per_s"] / sync["free_limit_tokens_per_s"], 3)
+        out["april_inflight_limit_last"] = april["steps"][-1].get("rollout/inflight_limit")
         for name, r in (("april", april), ("sync", sync)):
             out[f"{name}_prefill_time_frac"] = round(r["prefill_time_frac"], 4)
             out[f"{name}_kv_bytes_peak"] = r["kv_bytes_peak"]

@@ -23,18 +23,24 @@ import rollout
 BASE = dict(engine="sim", cost="h200-qwen3-4b", replicas=8, steps=20, warmup_steps=None, seed=0, slots=256,
             length_scale=1.0, max_response_len=32768, prompt_len=64, over_sampling=64, max_staleness=5,
             stale_policy="restart", refill="groups", resume_count="fraction", prefill_ms_per_token=None,
-            step_overhead_ms=None, min_prefill_batch=1, reuse_aborted_kv=False, decode_steps_per_call=8)
-# The design of issue 13: refill as members finish, aborted KV kept (parked) within the budget.
-DESIGN = dict(refill="members", reuse_aborted_kv=True, over_sampling=64, max_staleness=16)
+            step_overhead_ms=None, min_prefill_batch=1, reuse_aborted_kv=False, decode_steps_per_call=8,
+            inflight="over_sampling")
+# The design of issue 13 at the product's staleness cap (at most 5 policy versions per response:
+# max_staleness 4): refill as members finish, aborted KV parked within the budget, and the requests
+# in flight sized by the cap and the KV budget (inflight="auto").
+DESIGN = dict(refill="members", reuse_aborted_kv=True, over_sampling=64, max_staleness=4, inflight="auto")
 # The orchestrator before issue 13 (the paper's counting: over-sampled groups drain, no refill).
-BEFORE = dict(refill="groups", resume_count="fraction", reuse_aborted_kv=False, over_sampling=64, max_staleness=5)
+BEFORE = dict(refill="groups", resume_count="fraction", reuse_aborted_kv=False, over_sampling=64, max_staleness=4)
 
 SECTIONS = {
-    "headline": [("design (members refill, parked KV, cap 16)", DESIGN),
-                 ("before issue 13 (groups k/n, re-prefill, cap 5)", BEFORE),
+    "headline": [("design (members refill, parked KV, inflight auto, cap 4)", DESIGN),
+                 ("design, in flight by over-sampling only (session 5's design at cap 4)", {**DESIGN, "inflight": "over_sampling"}),
+                 ("before issue 13 (groups k/n, re-prefill, cap 4)", BEFORE),
                  ("before, a resumed group counts whole (slime)", {**BEFORE, "resume_count": "group"})],
     "over_sampling": [(f"over-sampling {os} ({os / 32:g}x)", {**DESIGN, "over_sampling": os}) for os in (32, 48, 96)],
-    "max_staleness": [(f"max_staleness {s}", {**DESIGN, "max_staleness": s}) for s in (0, 2, 5, 10)],
+    "max_staleness": [(f"max_staleness {s}", {**DESIGN, "max_staleness": s}) for s in (0, 1, 2, 3, 16)],
+    "resume_count": [("design, groups refill, resumed group counts k/n", {**DESIGN, "refill": "groups"}),
+                     ("design, groups refill, resumed group counts whole", {**DESIGN, "refill": "groups", "resume_count": "group"})],
     "max_response_len": [(f"max_response_len {n}", {**DESIGN, "max_response_len": n}) for n in (8192, 16384)],
     "parked_kv": [("parked KV off (re-prefill)", {**DESIGN, "reuse_aborted_kv": False})],
     "replicas": [(f"replicas {r}", {**DESIGN, "replicas": r}) for r in (1, 2, 4)],
@@ -52,7 +58,7 @@ def args_for(**kw):
 def _run(task):
     mode, kw = task
     r = rollout.run(mode, args_for(**kw))
-    keep = ("tokens_per_s", "limit_tokens_per_s", "on_policy_token_frac", "mean_loss_weight", "delivered_len_mean",
+    keep = ("tokens_per_s", "limit_tokens_per_s", "free_limit_tokens_per_s", "on_policy_token_frac", "mean_loss_weight", "delivered_len_mean",
             "dropped_tokens", "prefill_time_frac", "kv_bytes_peak", "kv_bytes_budget", "preempted", "staleness_max",
             "delivered_tokens_per_s", "buffered_token_frac")
     return task, {k: r[k] for k in keep}
@@ -62,6 +68,7 @@ def row_result(sync: dict, april: dict) -> dict:
     return {"speedup": april["tokens_per_s"] / sync["tokens_per_s"],
             "april_fraction_of_limit": april["tokens_per_s"] / april["limit_tokens_per_s"],
             "sync_fraction_of_limit": sync["tokens_per_s"] / sync["limit_tokens_per_s"],
+            "april_fraction_of_free_limit": april["tokens_per_s"] / april["free_limit_tokens_per_s"],
             "april_tokens_per_s": april["tokens_per_s"], "sync_tokens_per_s": sync["tokens_per_s"],
             "april_on_policy_token_frac": april["on_policy_token_frac"], "april_mean_loss_weight": april["mean_loss_weight"],
             "april_delivered_len_mean": april["delivered_len_mean"], "sync_delivered_len_mean": sync["delivered_len_mean"],
@@ -147,12 +154,13 @@ def markdown(summary, args) -> str:
         return f"{fmt.format(s[k]['mean'])} ({fmt.format(s[k]['min'])}-{fmt.format(s[k]['max'])})"
 
     lines = [f"{args.cost}, {args.steps} steps: mean (min-max) over the seeds listed", "",
-             "| section | row | seeds | speedup | APRIL / limit | sync / limit | on-policy frac | mean loss weight | "
+             "| section | row | seeds | speedup | APRIL / limit | sync / limit | APRIL / free limit | on-policy frac | mean loss weight | "
              "delivered len APRIL / sync | dropped tokens | prefill time | preempted | KV peak / budget APRIL, sync |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['section']} | {s['row']} | {' '.join(map(str, s['seeds']))} | {spread(s, 'speedup')} | {spread(s, 'april_fraction_of_limit')} | "
-                     f"{spread(s, 'sync_fraction_of_limit')} | {spread(s, 'april_on_policy_token_frac')} | "
+                     f"{spread(s, 'sync_fraction_of_limit')} | {spread(s, 'april_fraction_of_free_limit')} | "
+                     f"{spread(s, 'april_on_policy_token_frac')} | "
                      f"{spread(s, 'april_mean_loss_weight')} | {s['april_delivered_len_mean']['mean']:.0f} / "
                      f"{s['sync_delivered_len_mean']['mean']:.0f} | {s['april_dropped_tokens']['mean'] / 1e6:.2f}M | "
                      f"{s['april_prefill_time_frac']['mean']:.3f} | {s['april_preempted']['mean']:.0f} | "

@@ -88,11 +88,91 @@ def test_invariants_on_roofline_replicas_with_a_tight_kv_budget(reuse):
     stats = engine.stats()
     assert stats["preempted"] > 0 and stats["kv_tokens_peak"] <= cost.kv_budget_tokens
     assert stats["kv_reused"] > 0 if reuse else stats["kv_reused"] == 0
-    samples = [(len(g.prompt.prompt_ids), len(s.response_ids)) for _, gs, _ in delivered for g in gs for s in g.samples]
-    bound = cost_model.time_lower_bound_s(cost, tokens=sum(n for _, n in samples),
-                                          ctx_sum=sum(cost_model.delivered_ctx_sum(p, n) for p, n in samples),
-                                          prompt_lens=[8] * 40, slots=16, replicas=2, syncs=9)
-    assert bound <= engine.now()
+    assert_bounds_hold(cost, cfg, delivered, engine, replicas=2, slots=16)
+
+
+def assert_bounds_hold(cost, cfg, delivered, engine, replicas, slots):
+    """The free and the staleness-windowed lower bounds never exceed the simulated time, and the
+    windowed one is at least the free one (each response's tokens within [step - cap, step])."""
+    rows = [(len(g.prompt.prompt_ids), len(s.response_ids), max(step - cfg.max_staleness, 0), step)
+            for step, gs, _ in delivered for g in gs for s in g.samples]
+    ctx = [np.arange(n) + p for p, n, _, _ in rows]
+    kw = dict(tokens=sum(n for _, n, _, _ in rows), ctx_sum=int(sum(c.sum() for c in ctx)),
+              prompt_lens=[8] * (len(rows) // cfg.n_samples_per_prompt), slots=slots, replicas=replicas,
+              syncs=len(delivered) - 1)
+    windows = cost_model.StalenessWindows(
+        tokens=np.array([len(c) for c in ctx], float), sqrt_ctx=np.array([np.sqrt(c).sum() for c in ctx]),
+        ctx=np.array([c.sum() for c in ctx], float), first=np.array([r[2] for r in rows]),
+        last=np.array([r[3] for r in rows]), steps=len(delivered))
+    free = cost_model.time_lower_bound_s(cost, **kw)
+    bound = cost_model.time_lower_bound_s(cost, **kw, windows=windows)
+    assert free <= bound <= engine.now()
+    return free, bound
+
+
+class Outstanding:
+    """Counts the requests an engine holds (submitted, not yet returned) at every call."""
+
+    def __init__(self, engine):
+        self.engine, self.now_out, self.peak = engine, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, requests):
+        requests = list(requests)
+        self.now_out += len(requests)
+        self.peak = max(self.peak, self.now_out)
+        self.engine.submit(requests)
+
+    def step(self):
+        out = self.engine.step()
+        self.now_out -= len(out)
+        return out
+
+    def abort_all(self):
+        out = self.engine.abort_all()
+        self.now_out -= len(out)
+        return out
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_inflight_auto_sizes_requests_by_the_staleness_cap_and_the_kv_budget(max_staleness):
+    """inflight="auto": after the first step, no more requests run than the cap allows (R <= cap x
+    tokens delivered per step / max_response_len) and than fit 0.85 of the KV budget at the measured
+    token-weighted context; before anything is delivered, no more than a synchronous step. The
+    invariants and the KV budget hold, and the simulated time respects both lower bounds."""
+    base = cost_model.make("h200-qwen3-4b")
+    hbm = (20_000 * base.kv_bytes_per_token + base.weight_bytes + base.activation_reserve_bytes) / base.mem_util
+    cost = cost_model.Roofline(**{**dataclasses.asdict(base), "hbm_bytes": hbm})
+    engine = SimReplicas(2, slots=64, cost=cost, seed=2, length_scale=1 / 16, reuse_aborted_kv=True)
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=16,
+                        max_response_len=2048, max_staleness=max_staleness, stop_token_ids=(0,), refill="members",
+                        inflight="auto")
+    april = April(cfg, prompt_stream())
+    wrapped, delivered, peaks = Outstanding(engine), [], []
+    for step in range(8):
+        seen = dict(april.seen)
+        expected = cfg.rollout_batch_size * 4
+        if seen["responses"]:
+            per_step = 4 * 4 * seen["tokens"] / seen["responses"]
+            expected = min(16 * 4, int(max(max_staleness, 0.5) * per_step / 2048))
+        ctx = seen["ctx"] / seen["tokens"] if seen["tokens"] else 1024
+        expected = max(min(expected, int(0.85 * 2 * cost.kv_budget_tokens / ctx)), 4)
+        wrapped.peak = wrapped.now_out  # 0: every request was aborted at the last step's end
+        carried = sum(len(g.samples) for g in april.buffer.groups())
+        groups, m = april.collect(wrapped, version=step)
+        assert m["rollout/inflight_limit"] == expected
+        # buffered groups' members (resumed or restarted) all start at the step's start, whatever
+        # the limit (drawn prompts are never lost); a fresh group starts only while the limit has room
+        peaks.append(wrapped.peak)
+        assert wrapped.peak <= max(expected, carried)
+        delivered.append((step, groups, m))
+        engine.update_weights(None, step + 1)
+    assert max(peaks) > 0
+    check_invariants(cfg, april, delivered)
+    assert engine.stats()["kv_tokens_peak"] <= cost.kv_budget_tokens
+    assert_bounds_hold(cost, cfg, delivered, engine, replicas=2, slots=64)
 
 
 def test_member_refill_keeps_the_engine_full_where_group_counting_drains_it():
@@ -167,6 +247,7 @@ def test_eviction_counts_dropped_prompts():
     (dict(schedule="lifo"), "rollout.schedule='lifo'"),
     (dict(refill="tokens"), "rollout.refill='tokens'"),
     (dict(resume_count="half"), "rollout.resume_count='half'"),
+    (dict(inflight="tokens"), "rollout.inflight='tokens'"),
     (dict(max_response_len=-1), "rollout.max_response_len=-1"),
 ])
 def test_bad_config_names_the_key(overrides, key):

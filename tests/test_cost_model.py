@@ -95,3 +95,59 @@ def test_lower_bound_takes_the_memory_budget_into_account():
     steps = ctx / 792_474
     assert steps > 1000 / 256
     assert long == pytest.approx(steps * (1e-3 + 2 * QWEN3_4B_PARAMS / 4.08e12) + ctx * 147_456 / 4.08e12)
+
+
+def windows_of(responses, steps):
+    """StalenessWindows from (prompt_len, response_len, first_step, last_step) tuples."""
+    import numpy as np
+
+    ctx = [np.arange(n) + p for p, n, _, _ in responses]
+    return cm.StalenessWindows(tokens=np.array([len(c) for c in ctx], float),
+                               sqrt_ctx=np.array([np.sqrt(c).sum() for c in ctx]),
+                               ctx=np.array([c.sum() for c in ctx], float),
+                               first=np.array([f for *_, f, _ in responses]), last=np.array([l for *_, l in responses]),
+                               steps=steps)
+
+
+def test_staleness_bound_for_one_long_response_sits_between_the_free_bound_and_its_own_decode_time():
+    """One 32k response, alone on one replica: its 32768 steps run one after another, each costing at
+    least the overhead + weights read + its own context; the free bound splits it into ~1000 steps
+    of a full KV budget instead. The windowed bound must lie between the two (and well above the free one)."""
+    cost = cm.make("h200-qwen3-4b")
+    n, p = 32768, 64
+    ctx = cm.delivered_ctx_sum(p, n)
+    c0 = 1e-3 + 2 * QWEN3_4B_PARAMS / 4.08e12
+    alone = n * c0 + ctx * 147_456 / 4.08e12  # 97.3 s + 19.5 s: what a schedule of this one response costs
+    kw = dict(tokens=n, ctx_sum=ctx, prompt_lens=[], slots=256, replicas=1)
+    free = cm.time_lower_bound_s(cost, **kw)
+    bound = cm.time_lower_bound_s(cost, **kw, windows=windows_of([(p, n, 0, 0)], 1))
+    assert free == pytest.approx(ctx / 792_474 * c0 + ctx * 147_456 / 4.08e12)  # 21.5 s
+    assert 4 * free < bound <= alone
+    # By Cauchy-Schwarz the bound is at least 8/9 of the overhead part (sum sqrt)^2 / sum <= n: 2/3 n^1.5 ...
+    assert bound > 0.85 * alone
+
+
+def test_staleness_bound_without_binding_windows_is_the_free_bound():
+    """Short responses with windows spanning every step constrain nothing: the bound is the free one."""
+    cost = cm.make("h200-qwen3-4b")
+    responses = [(64, 300, 0, 9) for _ in range(2000)]
+    tokens, ctx = 2000 * 300, 2000 * cm.delivered_ctx_sum(64, 300)
+    kw = dict(tokens=tokens, ctx_sum=ctx, prompt_lens=[64] * 250, slots=256, replicas=8, syncs=10)
+    free = cm.time_lower_bound_s(cost, **kw)
+    assert cm.time_lower_bound_s(cost, **kw, windows=windows_of(responses, 10)) == pytest.approx(free, rel=1e-6)
+
+
+def test_staleness_bound_tightens_as_windows_shrink():
+    cost = cm.make("h200-qwen3-4b")
+    rows = [(64, 1000 + 997 * i % 31000, 0, 0) for i in range(64)]
+    tokens = sum(n for _, n, _, _ in rows)
+    ctx = sum(cm.delivered_ctx_sum(p, n) for p, n, _, _ in rows)
+    kw = dict(tokens=tokens, ctx_sum=ctx, prompt_lens=[], slots=256, replicas=2)
+    bounds = [cm.time_lower_bound_s(cost, **kw, windows=windows_of([(p, n, 0, k - 1) for p, n, _, _ in rows], k))
+              for k in (1, 2, 4)]
+    # one step holding every response is the tightest; windows of 4 of 4 steps the same as 1 of 1
+    # in total time, since the steps can be as long as they like: only their total matters then
+    assert bounds[0] == pytest.approx(bounds[1], rel=1e-3) == pytest.approx(bounds[2], rel=1e-3)
+    staggered = cm.time_lower_bound_s(cost, **kw, windows=windows_of(
+        [(p, n, i % 4, i % 4) for i, (p, n, _, _) in enumerate(rows)], 4))
+    assert staggered > bounds[0] * 1.01  # each response confined to one of four steps: less room

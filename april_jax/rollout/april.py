@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import time
 from typing import Callable, Iterator
 
@@ -71,6 +72,15 @@ class RolloutConfig:
     #              engine keeps over_sampling_batch_size x n requests in flight all step.
     refill: str = "groups"
     resume_count: str = "fraction"  # a resumed group with k of n unfinished counts k/n, or "group": 1 (slime)
+    # How many requests may be in flight (fresh groups wait while the limit is reached):
+    #   "over_sampling": over_sampling_batch_size x n_samples_per_prompt, whatever the engine;
+    #   "auto": also no more than lets a max_response_len response finish within max_staleness
+    #           steps (a response advances one token per decode step, so R requests in flight
+    #           make a step of D delivered tokens last D / R decode steps: R <= staleness x D /
+    #           max_response_len, D measured), and, on an engine that reports its KV budget
+    #           (`kv_budget_tokens`, the simulated replicas), no more than whose contexts fit it
+    #           (R <= budget / the token-weighted mean context measured). Issue 13.
+    inflight: str = "over_sampling"
     buffer_capacity: int = 1024
     temperature: float = 1.0
     top_p: float = 1.0
@@ -96,6 +106,8 @@ class RolloutConfig:
             bad("refill", "must be 'groups' or 'members'")
         if self.resume_count not in ("fraction", "group"):
             bad("resume_count", "must be 'fraction' or 'group'")
+        if self.inflight not in ("over_sampling", "auto"):
+            bad("inflight", "must be 'over_sampling' or 'auto'")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         return self
@@ -112,6 +124,8 @@ class April:
         self.dropped: dict[str, str] = {}  # prompt uid -> reason
         self.length_history: dict[str, float] = {}  # prompt key -> mean response length seen
         self.exhausted = False
+        # delivered responses so far, for inflight="auto": count, tokens, sum of the contexts their tokens read
+        self.seen = {"responses": 0, "tokens": 0, "ctx": 0}
 
     # ---- the step ----
     def collect(self, engine, version: int) -> tuple[list[Group], dict]:
@@ -140,7 +154,11 @@ class April:
                     batch.append(request)
             engine.submit(batch)
 
+        limit = self.inflight_limit(engine)
+
         def room(new_groups: int) -> bool:
+            if len(requests) + (new_groups + 1) * cfg.n_samples_per_prompt > limit:
+                return False
             if cfg.refill == "members":  # new groups are not submitted yet: count their members too
                 return len(requests) / cfg.n_samples_per_prompt + new_groups < cfg.over_sampling_batch_size
             # A buffered group with k unfinished members counts k/n (by default): the engine keeps as
@@ -234,9 +252,35 @@ class April:
             m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
         for g in delivered:
             self._remember_lengths(g)
-        return delivered, self._metrics(delivered, version, m, engine, t0, s0)
+        return delivered, {**self._metrics(delivered, version, m, engine, t0, s0), "rollout/inflight_limit": limit}
 
     # ---- pieces ----
+    # Fraction of the KV budget the in-flight contexts may fill on average: the sum of running
+    # contexts moves around its mean, and an overflow costs a preemption (a re-prefill).
+    KV_FILL = 0.85
+    # Steps beyond max_staleness a response may span: it starts somewhere within its first step.
+    STALENESS_HEADROOM = 0.0
+
+    def inflight_limit(self, engine) -> int:
+        """Requests allowed in flight this step (see RolloutConfig.inflight)."""
+        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        limit = cfg.over_sampling_batch_size * n
+        if cfg.inflight != "auto":
+            return limit
+        seen = self.seen
+        if not seen["responses"]:  # nothing measured yet: no more than a synchronous step starts
+            limit = min(limit, cfg.rollout_batch_size * n)
+        else:
+            per_step = cfg.rollout_batch_size * n * seen["tokens"] / seen["responses"]
+            steps = max(cfg.max_staleness + self.STALENESS_HEADROOM, 0.5)
+            limit = min(limit, int(steps * per_step / cfg.max_response_len))
+        budget = getattr(engine, "kv_budget_tokens", None)
+        if budget is not None and math.isfinite(budget):
+            # before anything is delivered: every running context at half the response budget
+            ctx = seen["ctx"] / seen["tokens"] if seen["tokens"] else cfg.max_response_len / 2
+            limit = min(limit, int(self.KV_FILL * budget / ctx))
+        return max(limit, n)
+
     def _new_group(self) -> Group | None:
         try:
             prompt = next(self.prompts)
@@ -307,6 +351,11 @@ class April:
 
     def _remember_lengths(self, g: Group) -> None:
         self.length_history[self._prompt_key(g)] = float(np.mean([len(s.response_ids) for s in g.samples]))
+        for s in g.samples:
+            L, P = len(s.response_ids), len(s.prompt_ids)
+            self.seen["responses"] += 1
+            self.seen["tokens"] += L
+            self.seen["ctx"] += L * P + L * (L - 1) // 2
 
     def _metrics(self, groups: list[Group], version: int, m: dict, engine, t0: float, s0: dict) -> dict:
         samples = [s for g in groups for s in g.samples]
@@ -357,10 +406,11 @@ class April:
     # ---- checkpointing ----
     def state_dict(self) -> dict:
         return {"buffer": self.buffer.state_dict(), "next_group": self.next_group, "drawn": self.drawn,
-                "dropped": dict(self.dropped), "length_history": dict(self.length_history)}
+                "dropped": dict(self.dropped), "length_history": dict(self.length_history), "seen": dict(self.seen)}
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state["buffer"])
         self.next_group, self.drawn = int(state["next_group"]), int(state["drawn"])
         self.dropped = dict(state["dropped"])
         self.length_history = {k: float(v) for k, v in state["length_history"].items()}
+        self.seen = {k: int(v) for k, v in state.get("seen", {"responses": 0, "tokens": 0, "ctx": 0}).items()}

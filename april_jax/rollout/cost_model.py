@@ -230,7 +230,7 @@ def delivered_ctx_sum(prompt_len: int, response_len: int) -> int:
 
 
 def time_lower_bound_s(cost, *, tokens: int, ctx_sum: int, prompt_lens: list[int], slots: int, replicas: int,
-                       syncs: int = 0) -> float:
+                       syncs: int = 0, windows: "StalenessWindows | None" = None) -> float:
     """Least engine time in which `replicas` replicas can decode `tokens` tokens whose contexts sum to
     `ctx_sum`, prefill each prompt (one per group: `prompt_lens`) once, and do `syncs` weight syncs, under `cost`.
 
@@ -239,14 +239,141 @@ def time_lower_bound_s(cost, *, tokens: int, ctx_sum: int, prompt_lens: list[int
     least max(tokens / slots, ctx_sum / budget); a step costs at least its overhead plus the larger
     of its bytes and FLOPs terms, and sum(max) >= max(sum); work is split across replicas at will
     (no group or sequence constraint), so the bound is the total divided by `replicas`.
+
+    With `windows` (roofline only) the responses must also keep their staleness: each one's tokens
+    are generated, one decode step after another, within the training steps its window allows
+    (`staleness_bound_steps`), which can force more, smaller decode steps; the bound is then the
+    least total time S that pays for the replica-steps such a schedule needs within S.
     """
     if isinstance(cost, LinearCPU):
         decode = tokens * (cost.t0 / slots + cost.c)
         return (decode + sum(cost.prefill_s(p) for p in prompt_lens)) / replicas + syncs * cost.weight_sync_s()
-    steps = max(tokens / slots, ctx_sum / cost.kv_budget_tokens)
+    floor_steps = max(tokens / slots, ctx_sum / cost.kv_budget_tokens)
     mm = matmul_params(cost.cfg)[1]
     bw, fl = cost.hbm_bw * cost.bw_eff, cost.peak_flops * cost.flops_eff
-    mem = (steps * mm * cost.dtype_bytes + ctx_sum * cost.kv_bytes_per_token) / bw
-    comp = (2 * mm * tokens + cost._attn_flops_per_ctx * ctx_sum) / fl
-    decode = steps * cost.step_overhead_s + max(mem, comp)
-    return (decode + sum(cost.prefill_s(p) for p in prompt_lens)) / replicas + syncs * cost.weight_sync_s()
+    prefill = sum(cost.prefill_s(p) for p in prompt_lens)
+    sync = syncs * cost.weight_sync_s()
+
+    def total(steps: float) -> float:
+        mem = (steps * mm * cost.dtype_bytes + ctx_sum * cost.kv_bytes_per_token) / bw
+        comp = (2 * mm * tokens + cost._attn_flops_per_ctx * ctx_sum) / fl
+        return (steps * cost.step_overhead_s + max(mem, comp) + prefill) / replicas + sync
+
+    free = total(floor_steps)
+    if windows is None or not len(windows.tokens):
+        return free
+    return staleness_bound_s(cost, windows, floor_steps, total, free)
+
+
+@dataclasses.dataclass
+class StalenessWindows:
+    """Per response (counted tokens only): its number of tokens, the sum over them of sqrt(context
+    read), the sum of the contexts, and the first and last training step (0-based, within the
+    measured window) in which those tokens may have been generated; `steps` training steps in all.
+    A response with no constraint (still buffered) has first = 0, last = steps - 1."""
+
+    tokens: "object"  # numpy arrays, one entry per response
+    sqrt_ctx: "object"
+    ctx: "object"
+    first: "object"
+    last: "object"
+    steps: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def staleness_bound_steps(cost, w: StalenessWindows, S: float, mu=None):
+    """A lower bound on the replica-steps of any schedule of total time S that respects the windows.
+
+    Why: give every replica-step t its running contexts K_t <= budget and duration
+    tau_t >= c0 + c1 K_t (c0 = step overhead + weight bytes / bandwidth, c1 = KV bytes per token /
+    bandwidth). A response i reads contexts a_it at its L_i steps, which run one after another
+    within its window, of length W_i: sum_t tau_t <= W_i, so sum_t K_t <= (W_i - L_i c0) / c1.
+    Splitting each step among the responses it serves, N = sum_t 1 >= sum_i sum_t a_it / K_t, and by
+    Cauchy-Schwarz sum_t a_it / K_t >= (sum_t sqrt a_it)^2 / sum_t K_t, so
+        n_i(W_i) = max(A_i / (W_i - L_i c0), ctx_i / budget),  A_i = c1 (sum_t sqrt a_it)^2.
+    The windows are sums of the step times T_k, which total S. The least sum_i n_i over all T_k >= 0
+    is bounded below by its Lagrange dual at any mu >= 0 (weak duality):
+        sum_i min_W [n_i(W) + mu_i W] - S max_k sum_{i: k in window i} mu_i.
+    mu defaults to the optimality condition of equal step times. Returns (the bound, mu).
+    """
+    import numpy as np
+
+    bw = cost.hbm_bw * cost.bw_eff
+    c0 = cost.step_overhead_s + matmul_params(cost.cfg)[1] * cost.dtype_bytes / bw
+    c1 = cost.kv_bytes_per_token / bw
+    a = w.tokens * c0
+    A = c1 * w.sqrt_ctx ** 2
+    e = w.ctx / cost.kv_budget_tokens
+    span = (w.last - w.first + 1).astype(float)
+    if mu is None:
+        mu = _slopes(w, np.full(w.steps, S / w.steps), a, A, e, c1)
+    # min over W > a of max(A / (W - a), e) + mu W: at W = a + sqrt(A / mu) while that is left of
+    # the kink a + A / e, else at the kink
+    steep = mu * A >= e ** 2
+    g = np.where(steep, 2 * np.sqrt(A * mu) + mu * a, e + mu * (a + A / e))
+    cover = np.zeros(w.steps + 1)
+    np.add.at(cover, w.first, mu)
+    np.add.at(cover, w.last + 1, -mu)
+    lam = float(np.cumsum(cover)[:-1].max())
+    return float(g.sum() - S * lam), mu
+
+
+def _slopes(w: StalenessWindows, T, a, A, e, c1):
+    """-dn_i/dW_i at the windows the step times T give (a window too short for its response is
+    taken at twice its least feasible length): the optimality condition's multipliers."""
+    import numpy as np
+
+    prefix = np.concatenate([[0.0], np.cumsum(T)])
+    W = np.maximum(prefix[w.last + 1] - prefix[w.first], a + 2 * c1 * w.ctx)
+    return np.where(W - a < A / e, A / (W - a) ** 2, 0.0)
+
+
+def best_multipliers(cost, w: StalenessWindows, S: float, iters: int = 300):
+    """Multipliers for the dual in `staleness_bound_steps`: any are valid, these make it tight. Step
+    times start equal and move (multiplicatively, total S) toward the steps whose windows need the
+    most time, which is where the optimum has equal sums of multipliers per step; the best dual seen is kept."""
+    import numpy as np
+
+    bw = cost.hbm_bw * cost.bw_eff
+    c0 = cost.step_overhead_s + matmul_params(cost.cfg)[1] * cost.dtype_bytes / bw
+    c1 = cost.kv_bytes_per_token / bw
+    a, A, e = w.tokens * c0, c1 * w.sqrt_ctx ** 2, w.ctx / cost.kv_budget_tokens
+    T = np.full(w.steps, S / w.steps)
+    best, best_mu = -np.inf, None
+    for _ in range(iters):
+        mu = _slopes(w, T, a, A, e, c1)
+        value = staleness_bound_steps(cost, w, S, mu)[0]
+        if value > best:
+            best, best_mu = value, mu
+        cover = np.zeros(w.steps + 1)
+        np.add.at(cover, w.first, mu)
+        np.add.at(cover, w.last + 1, -mu)
+        m = np.cumsum(cover)[:-1]
+        T = T * np.exp(0.3 * (m / max(m.mean(), 1e-300) - 1))
+        T *= S / T.sum()
+    return best_mu
+
+
+def staleness_bound_s(cost, w: StalenessWindows, floor_steps: float, total, free: float) -> float:
+    """The least S with S >= total(replica-steps any schedule of time S needs): bisection with mu
+    fixed (the dual is then linear in S, so the condition is monotone), re-centred a few times."""
+    best = free
+    S_ref = free
+    for _ in range(4):
+        mu = best_multipliers(cost, w, S_ref)
+
+        def needs(S):
+            return total(max(floor_steps, staleness_bound_steps(cost, w, S, mu)[0]))
+
+        lo, hi = 0.0, max(free, S_ref)
+        while needs(hi) > hi:
+            hi *= 2
+        for _ in range(60):  # invariant: needs(lo) > lo, so the run's own time is above lo
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if needs(mid) > mid else (lo, mid)
+        if lo <= best * (1 + 1e-9):
+            break
+        best, S_ref = lo, lo
+    return best

@@ -29,6 +29,11 @@ class SimReplicas(PollingEngine):
         self.timeline: list[tuple[float, int]] = []
 
     @property
+    def kv_budget_tokens(self) -> float:
+        """KV memory of all replicas together, in tokens (APRIL's inflight="auto" sizes its requests by it)."""
+        return sum(r.budget for r in self.replicas)
+
+    @property
     def policy_version(self) -> int:
         return self.replicas[0].policy_version
 
