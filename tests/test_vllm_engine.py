@@ -12,30 +12,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from april_jax.models import qwen3
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
 from april_jax.rollout.vllm.engine import VllmEngine
-from hf_utils import save_tiny
+from vllm_servers import ROOT, VLLM_PYTHON, vllm_python
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = os.environ.get("APRIL_JAX_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python"))
 GREEDY = SamplingParams(0.0)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm_tiny")
-    # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (16 crashes the server)
-    save_tiny(path, vocab_size=160, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
-              initializer_range=0.3, max_position_embeddings=4096)
-    return path, qwen3.from_pretrained(path)
+def tiny(vllm_tiny):
+    return vllm_tiny
 
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    assert Path(VLLM_PYTHON).exists(), f"{VLLM_PYTHON}: no vLLM interpreter (run scripts/install.sh)"
-    eng = VllmEngine(tiny[0], python=VLLM_PYTHON, max_model_len=512, max_num_seqs=16)
+    # a server of its own (not the session's pair): the kill test below restarts an owned server
+    eng = VllmEngine(tiny[0], python=vllm_python(), max_model_len=512, max_num_seqs=16)
     yield eng
     eng.shutdown()
     assert not eng.servers[0].alive()

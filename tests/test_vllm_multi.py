@@ -2,71 +2,41 @@
 reach both, and a server lost mid-rollout is recovered (its requests resume on the other; back
 up, it gets the latest weights and rejoins). References: the JAX engine on the same weights."""
 
+import collections
 import os
-import secrets
-import shutil
 import signal
-import tempfile
-import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import jax
 import pytest
 from flax import nnx
 
-from april_jax.models import qwen3
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
 from april_jax.rollout.vllm.engine import VllmEngine
 from april_jax.rollout.vllm.server import VllmServer, group_pids
-from hf_utils import save_tiny
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = os.environ.get("APRIL_JAX_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python"))
 GREEDY = SamplingParams(0.0)
 PROMPTS = [[5, 17, 42, 99], [3, 120, 7], [64, 2, 2, 9, 31], [150, 11], [8, 8, 80, 1, 44, 6]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm_multi_tiny")
-    save_tiny(path, vocab_size=160, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
-              initializer_range=0.3, max_position_embeddings=4096)
-    return path, qwen3.from_pretrained(path)
+def tiny(vllm_tiny):
+    return vllm_tiny
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny, tmp_path_factory):
-    """Two servers started as an operator would for `rollout.vllm_urls`: one key, one transport folder."""
-    assert Path(VLLM_PYTHON).exists(), f"{VLLM_PYTHON}: no vLLM interpreter (run scripts/install.sh)"
-    key = secrets.token_hex(16)
-    transport = Path(tempfile.mkdtemp(prefix="april_jax_weights_", dir="/dev/shm"))
-    kw = dict(python=VLLM_PYTHON, max_model_len=512, max_num_seqs=4, api_key=key, transport_dir=transport,
-              log_dir=tmp_path_factory.mktemp("vllm_multi_logs"))
-    servers = [None, None]
-
-    def start(i):
-        servers[i] = VllmServer(tiny[0], name=f"server{i}", **kw)
-
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert all(servers), "a server did not start (see the log above)"
-    yield servers, key, transport, kw
-    for server in servers:
-        server.kill()
-    shutil.rmtree(transport, ignore_errors=True)
+def cluster(vllm_cluster):
+    """The session's two servers (tests/vllm_servers.py), started as an operator would for
+    `rollout.vllm_urls`: one key, one transport folder, each worker on its own core."""
+    return vllm_cluster.servers, vllm_cluster.key, vllm_cluster.transport, vllm_cluster.kw
 
 
 @pytest.fixture(scope="module")
-def engine(cluster):
-    servers, key, transport, _ = cluster
-    eng = VllmEngine(urls=[s.url for s in servers], api_key=key, shared_dir=transport, max_model_len=512,
-                     max_num_seqs=4)
+def engine(tiny, vllm_cluster):
+    eng = vllm_cluster.engine()
+    eng.update_weights(nnx.state(tiny[1]), 0)  # the checkpoint's weights, whatever ran on the servers before
     yield eng
     eng.shutdown()
 
@@ -84,10 +54,21 @@ def metric(server, key, name):
     return sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{") or l.startswith(name + " "))
 
 
-def in_flight_on(engine) -> dict[str, set]:
-    with engine._lock:
-        return {url: {rid for rid, st in engine._live.items() if st["url"] == url and st["tokens"]}
-                for url in engine.urls}
+def wait_until_two_stream_on_each_server(engine, ids, timeout=120.0):
+    """Until each server streams tokens for two of `ids` at once. Fails at once when one of them
+    ends before that: the servers did not run their requests side by side (as when vLLM's auto
+    binding put both servers' workers on core 0, and one server's requests waited for the other's)."""
+    deadline = time.time() + timeout
+    while True:
+        with engine._lock:
+            live = {rid: st["url"] for rid, st in engine._live.items() if rid in ids}
+            streaming = collections.Counter(st["url"] for rid, st in engine._live.items() if rid in ids and st["tokens"])
+        if all(streaming[url] == 2 for url in engine.urls):
+            return
+        assert len(live) == len(ids), (f"{sorted(set(ids) - set(live))} finished before two requests streamed on "
+                                       f"each server (streaming per server: {dict(streaming)})")
+        assert time.time() < deadline, f"not two streaming on each server after {timeout:.0f}s: {dict(streaming)}"
+        time.sleep(0.005)
 
 
 def test_requests_are_spread_over_both_servers(tiny, cluster, engine):
@@ -100,16 +81,11 @@ def test_requests_are_spread_over_both_servers(tiny, cluster, engine):
     assert all(got[str(i)].token_ids == expected[str(i % len(PROMPTS))] for i in range(10))
 
 
-@pytest.mark.xfail(strict=False, reason="fails on main since the session-5 merges (the 4 long requests never all "
-                   "stream within 120 s); undiagnosed, see the session-5 closing note")
 def test_abort_reaches_both_servers(cluster, engine):
     servers, key, _, _ = cluster
     n = 480
-    engine.submit([Request(f"long{i}", PROMPTS[i], n, GREEDY) for i in range(4)])
-    deadline = time.time() + 120
-    while not all(len(ids) == 2 for ids in in_flight_on(engine).values()):  # two streaming on each
-        assert time.time() < deadline and engine.has_unfinished(), "requests finished before the abort"
-        time.sleep(0.005)
+    engine.submit([Request(f"long{i}", PROMPTS[i], n, GREEDY) for i in range(4)])  # round robin: two on each
+    wait_until_two_stream_on_each_server(engine, {f"long{i}" for i in range(4)})
     aborted = engine.abort_all()
     assert sorted(r.request_id for r in aborted) == [f"long{i}" for i in range(4)]
     assert all(r.finish_reason == "abort" and 0 < len(r.token_ids) < n for r in aborted)
@@ -133,23 +109,18 @@ def test_weight_sync_reaches_both_servers(tiny, cluster, engine):
         assert {k: r.token_ids for k, r in got.items()} == expected, server.url
 
 
-@pytest.mark.xfail(strict=False, reason="fails on main since the session-5 merges (the 4 long requests never all "
-                   "stream within 120 s); undiagnosed, see the session-5 closing note")
 def test_a_server_lost_mid_rollout_is_recovered(tiny, cluster, engine):
     """After the previous test both servers hold the scaled weights: the lost server's requests
     resume on the other, and the restarted server (fresh, with the checkpoint's weights) must be
     re-synced before it serves again."""
-    servers, key, _, kw = cluster
+    servers, key, _, _ = cluster
     _, model = tiny
     n = 400
     scaled = nnx.merge(nnx.graphdef(model), jax.tree.map(lambda x: x * 1.3, nnx.state(model)))
     expected = jax_greedy(scaled, n)
     victim = servers[0]
     engine.submit([Request(str(i), p, n, GREEDY) for i, p in enumerate(PROMPTS[:4])])
-    deadline = time.time() + 120
-    while not all(len(ids) == 2 for ids in in_flight_on(engine).values()):
-        assert time.time() < deadline and engine.has_unfinished(), "requests finished before the failure"
-        time.sleep(0.005)
+    wait_until_two_stream_on_each_server(engine, {str(i) for i in range(4)})
     os.killpg(victim.proc.pid, signal.SIGKILL)  # the whole server: sidecar, API server, engine core, worker
     victim.proc.wait()
     got = {r.request_id: r for r in engine.run()}
@@ -163,7 +134,8 @@ def test_a_server_lost_mid_rollout_is_recovered(tiny, cluster, engine):
     while group_pids(victim.proc.pid):
         assert time.time() < deadline
         time.sleep(0.1)
-    servers[0] = VllmServer(victim.args["model_path"], name="server0", port=victim.port, **kw)
+    victim.kill()  # closes its log and pidfile; the group is already gone
+    servers[0] = VllmServer(**{**victim.args, "port": victim.port})  # same address, key, transport folder, core
     time.sleep(2.1)  # PROBE_EVERY_S
     engine.step(timeout=0)
     assert engine.stats()["servers_back"] == 1

