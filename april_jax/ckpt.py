@@ -126,14 +126,19 @@ def write_tokenizer(tokenizer_dir, out) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m april_jax.ckpt")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("inspect")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true")
-    e = sub.add_parser("export-hf")
-    e.add_argument("path")
-    e.add_argument("out")
+    parser = argparse.ArgumentParser(prog="python -m april_jax.ckpt", description="Inspect and export training checkpoints.")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{inspect,export-hf}")
+    where = "a workdir, its checkpoints dir, or one step's dir (the latest step when not a step dir)"
+    p = sub.add_parser("inspect", help="step, policy version, data position, parameters and partial buffer",
+                       description="Print what a checkpoint holds: step, policy version, data position, skipped "
+                                   "steps, every parameter (shape, dtype, sharding) and the APRIL partial buffer.")
+    p.add_argument("path", help=where)
+    p.add_argument("--json", action="store_true", help="print it as one JSON object")
+    e = sub.add_parser("export-hf", help="write a transformers-loadable checkpoint",
+                       description="Write the checkpoint's weights as a Hugging Face checkpoint (model.safetensors, "
+                                   "config.json with eos_token_id, and the run's tokenizer files).")
+    e.add_argument("path", help=where)
+    e.add_argument("out", help="output directory: new or empty (see --force)")
     e.add_argument("--force", action="store_true", help="write into a non-empty OUT (replaces its model files)")
     args = parser.parse_args(argv)
     from absl import logging as absl_logging

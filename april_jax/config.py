@@ -1,207 +1,243 @@
-"""The training config: schema, defaults and validation, in one place.
+"""The training config: every key declared once, with its default, type, allowed values and doc.
 
-Config files (`configs/*.py`) define `get_config()` that starts from `default_config()` and
-changes fields; the command line overrides any field with `--config.a.b=value`. Unknown keys
-fail before anything starts, with the nearest valid key suggested; a value of the wrong type
-names the key and the expected type.
+The schema is the `Config` dataclass below: its sections are dataclasses whose fields are
+`schema.key(...)`s; `loss`, `optimizer` and `rollout` extend the runtime dataclasses (`LossConfig`,
+`OptimizerConfig`, `RolloutConfig`), whose keys are declared where they are used. From it come
+`default_config()` (the ml_collections ConfigDict that `configs/*.py` start from and
+`--config.a.b=value` overrides), the per-key checks in `validate` (unknown keys fail with the nearest
+key suggested; a wrong type, choice or bound names the key) and `python -m april_jax.train --help`.
+`validate` adds the rules that relate keys; `loss_cfg`/`optimizer_cfg`/`rollout_cfg` resolve the
+keys' config forms (0 = derived, 'none' = off) into the runtime dataclasses.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
+import dataclasses
+import json
 import sys
 
 import ml_collections
 
+from april_jax import schema
 from april_jax.models import qwen3
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig
 from april_jax.rollout.april import RolloutConfig
+from april_jax.schema import ConfigError, key, section
+
+__all__ = ["ConfigError", "Config", "default_config", "validate", "check_overrides", "help_text", "fail"]
 
 
-class ConfigError(ValueError):
-    """A bad config key or value; the message names it."""
+@dataclasses.dataclass(frozen=True)
+class TinyModel:
+    hidden_size: int = key(64, "width of the residual stream", gt=0)
+    intermediate_size: int = key(128, "width of the MLP", gt=0)
+    num_hidden_layers: int = key(2, "decoder layers", gt=0)
+    num_attention_heads: int = key(4, "query heads", gt=0)
+    num_key_value_heads: int = key(2, "key/value heads (grouped-query attention)", gt=0)
+    head_dim: int = key(16, "width of one attention head", gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    path: str = key("", "Hugging Face checkpoint dir (config.json + safetensors) or asset:NAME; empty: a random "
+                        "model of model.arch")
+    arch: str = key("", "when model.path is empty: a preset (qwen3-0.6b ... qwen3-8b) or 'tiny' (model.tiny.*)")
+    dtype: str = key("float32", "parameter (master weight) dtype", choices=tuple(qwen3.DTYPES))
+    compute_dtype: str = key("float32", "activation/matmul dtype (bfloat16 with float32 weights: mixed precision); "
+                                        "the vLLM server runs in it", choices=tuple(qwen3.DTYPES))
+    remat: str = key("none", "activation recomputation in the backward: 'full' keeps one activation per layer "
+                             "(long sequences), 'dots' keeps the matmuls", choices=tuple(qwen3.REMAT_POLICIES))
+    attention_impl: str = key("auto", "attention kernel: 'auto' uses cuDNN flash attention on GPU in bf16/fp16, "
+                                      "else XLA", choices=qwen3.ATTENTION_IMPLS)
+    tiny: TinyModel = section(TinyModel, "the shape of model.arch='tiny' (vocabulary: the task's)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    task: str = key("file", "'file': prompts from data.train_path (jsonl/parquet); 'reverse': the synthetic "
+                            "digit-list task (with supervised warm-up data)", choices=("file", "reverse"))
+    train_path: str = key("", "training prompts, jsonl or parquet (or asset:NAME); needed when data.task='file'")
+    eval_path: str = key("", "held-out prompts for eval/* (same format); empty: no eval set")
+    prompt_key: str = key("prompt", "row field holding the prompt (a string or a list of chat messages)")
+    answer_key: str = key("answer", "row field holding the reference answer the reward compares with")
+    shuffle: bool = key(True, "shuffle the training rows (seeded by seed; each epoch anew)")
+    chat_template: bool = key(True, "wrap prompts in the tokenizer's chat template")
+    system_prompt: str = key("", "system message put before each prompt (chat template only); empty: none")
+    chat_template_kwargs: str = key("", "JSON object passed to the chat template, e.g. "
+                                        "'{\"enable_thinking\": false}'")
+    max_prompt_len: int = key(512, "longest prompt in tokens (see data.overlong_prompt)", gt=0)
+    overlong_prompt: str = key("error", "a prompt longer than data.max_prompt_len: fail naming the row, or skip it "
+                                        "(counted)", choices=("error", "skip"))
+    tokenizer_path: str = key("", "dir with tokenizer.json (or asset:NAME, e.g. asset:qwen3-tokenizer); "
+                                  "empty: model.path's")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    fn: str = key("math_verify", "'math_verify', 'reverse' (the tiny task) or 'module.path:function' "
+                                 "(see rl/rewards.py)")
+    timeout_s: float = key(5.0, "per reward call; a stuck call's worker is killed and replaced, its reward is 0",
+                           gt=0, finite=True)
+    workers: int = key(2, "scoring processes, working while the engine generates", gt=0)
+    overlong_buffer: int = key(0, "DAPO soft overlong punishment: the last N tokens of the budget are penalised "
+                                  "linearly; 0: off", ge=0)
+    overlong_factor: float = key(1.0, "the penalty at the budget's end (reward.overlong_buffer > 0)", ge=0,
+                                 finite=True)
+
+
+@dataclasses.dataclass
+class Rollout(RolloutConfig):
+    engine: str = key("jax", "generation engine: 'jax' (in-process), 'vllm' (a server), 'sim' (simulated "
+                             "lengths, no model)", choices=("jax", "vllm", "sim"))
+    max_num_seqs: int = key(64, "sequences the engine decodes at once (its slots)", gt=0)
+    max_model_len: int = key(0, "longest prompt + response the engine holds; 0: data.max_prompt_len + "
+                                "rollout.max_response_len", ge=0)
+    vllm_urls: str = key("", "vllm: comma-separated servers to attach to; empty: one is launched")
+    vllm_python: str = key("", "vllm: interpreter with vllm installed (its own venv); empty: found "
+                               "(.venv-vllm, then this one)")
+    weight_transport: str = key("shm", "vllm: how new weights reach the server (cuda_ipc: same GPU, untested)",
+                                choices=("shm", "file", "cuda_ipc"))
+    vllm_sleep_mode: bool = key(False, "vllm colocated on the trainer's GPU: the server sleeps (frees its memory) "
+                                       "during train steps")
+    decode_steps_per_call: int = key(8, "jax engine: decode steps per jitted call (fewer: slots refill sooner)",
+                                     gt=0)
+    reuse_aborted_kv: bool = key(False, "jax engine: resume partial responses from their parked KV cache "
+                                        "(no re-prefill)")
+    free_kv_cache_in_train: bool = key(True, "jax engine: free its KV cache during train steps "
+                                             "(verl's free_cache_engine)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss(LossConfig):
+    clip_c: float = key(0.0, "dual-clip constant for negative advantages (e.g. 3.0); 0: off", ge=0, finite=True)
+    norm_len: int = key(0, "seq-mean-token-sum-norm's constant (Dr. GRPO); 0: rollout.max_response_len", ge=0)
+    tis: str = key("token", "truncated importance sampling of pi_old / pi_behaviour, per token or per sequence; "
+                            "'none': off", choices=("token", "sequence", "none"))
+    ref_path: str = key("", "KL reference (HF checkpoint dir) when loss.kl_coef > 0; empty: the initial policy")
+    advantage: str = key("grpo", "advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), "
+                                 "rloo (leave-one-out mean)", choices=("grpo", "drgrpo", "rloo"))
+    advantage_batch_norm: bool = key(False, "normalise advantages over the whole batch afterwards")
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+    total_steps: int = key(100, "train steps (one rollout batch each)", gt=0)
+    micro_batch_size: int = key(0, "sequences per forward/backward (gradients accumulate); 0: the whole batch; "
+                                   "must divide rollout_batch_size x n_samples_per_prompt", ge=0)
+    num_iterations: int = key(1, "PPO epochs (optimiser steps) over each rollout batch", gt=0)
+    max_skipped_steps: int = key(3, "stop with an error after this many consecutive skipped (non-finite or "
+                                    "all-rewards-failed) steps", gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    steps: int = key(0, "supervised steps on the task's warm-up examples before RL (fresh runs only); 0: none",
+                     ge=0)
+    lr: float = key(3e-3, "peak learning rate of the warm-up (Adam, cosine)", ge=0, finite=True)
+    batch_size: int = key(64, "examples per warm-up step", gt=0)
+    reverse_frac: float = key(1.0, "reverse task: share of reversed (rewarded) answers among the examples; the rest "
+                                   "copy the list", ge=0, le=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    every: int = key(10, "save every N train steps (and after the last)", gt=0)
+    keep: int = key(3, "checkpoints kept (the newest)", gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eval:
+    every: int = key(0, "evaluate on data.eval_path every N steps (and before step 0); 0: off", ge=0)
+    num_prompts: int = key(64, "held-out prompts per evaluation", ge=0)
+    n_samples: int = key(4, "samples per prompt: eval/avg@k averages over them", gt=0)
+    temperature: float = key(0.6, "eval sampling temperature (0: greedy)", ge=0, finite=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    data: int = key(1, "data-parallel axis size (-1: the remaining devices)", ge=-1)
+    fsdp: int = key(-1, "fully-sharded axis size (-1: the remaining devices)", ge=-1)
+    tensor: int = key(1, "tensor-parallel axis size (-1: the remaining devices)", ge=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Log:
+    tensorboard: bool = key(True, "write WORKDIR/tensorboard event files beside metrics.jsonl")
+    progress: bool = key(True, "one progress line per step on stderr")
+    wandb_project: str = key("", "Weights & Biases project; empty: off (pip install 'april_jax[wandb]')")
+    wandb_mode: str = key("online", "'offline': no network (`wandb sync WORKDIR/wandb/offline-run-*` later)",
+                          choices=("online", "offline", "disabled"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    workdir: str = key("runs/default", "where the run writes (checkpoints, metrics); rerun to resume")
+    seed: int = key(0, "seeds the model init, data order, sampling and the synthetic task")
+    model: Model = section(Model, "the policy")
+    data: Data = section(Data, "prompts and their tokenization")
+    reward: Reward = section(Reward, "scoring responses")
+    rollout: Rollout = section(Rollout, "APRIL and the generation engine")
+    loss: Loss = section(Loss, "the policy loss")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "the policy update")
+    train: Train = section(Train, "the training loop")
+    warmup: Warmup = section(Warmup, "supervised warm-up before RL")
+    checkpoint: Checkpoint = section(Checkpoint, "orbax checkpoints in WORKDIR/checkpoints")
+    eval: Eval = section(Eval, "held-out evaluation")
+    mesh: Mesh = section(Mesh, "device mesh axes (one may be -1)")
+    log: Log = section(Log, "metrics sinks (metrics.jsonl always)")
+
+
+SPECS = schema.specs(Config)
+# keys the runtime dataclasses check themselves (rollout_cfg / loss_cfg build and validate them)
+SELF_CHECKED = frozenset(schema.specs(RolloutConfig, "rollout.")) | frozenset(schema.specs(LossConfig, "loss."))
 
 
 def default_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.workdir = "runs/default"
-    c.seed = 0
-
-    c.model = ml_collections.ConfigDict()
-    c.model.path = ""  # Hugging Face checkpoint dir; empty: a random model of `model.arch`
-    c.model.arch = ""  # preset name (qwen3-0.6b ... qwen3-8b) or "tiny" (model.tiny.*) when path is empty
-    c.model.dtype = "float32"  # parameter dtype
-    c.model.compute_dtype = "float32"
-    c.model.remat = "none"  # "none", "full" (recompute each layer in the backward: long sequences), "dots"
-    c.model.attention_impl = "auto"  # "auto" (cuDNN flash attention on GPU in bf16/fp16), "xla", "cudnn"
-    c.model.tiny = ml_collections.ConfigDict(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-
-    c.data = ml_collections.ConfigDict()
-    c.data.task = "file"  # "file" (jsonl/parquet) or "reverse" (the synthetic tiny task)
-    c.data.train_path = ""
-    c.data.eval_path = ""
-    c.data.prompt_key = "prompt"
-    c.data.answer_key = "answer"
-    c.data.shuffle = True
-    c.data.chat_template = True  # wrap prompts in the tokenizer's chat template
-    c.data.system_prompt = ""
-    c.data.chat_template_kwargs = ""  # JSON object passed to the chat template, e.g. '{"enable_thinking": false}'
-    c.data.max_prompt_len = 512
-    c.data.overlong_prompt = "error"  # a prompt longer than max_prompt_len: "error" (names the row) or "skip"
-    c.data.tokenizer_path = ""  # dir with tokenizer.json; empty: model.path ("asset:qwen3-tokenizer": real Qwen3)
-
-    c.reward = ml_collections.ConfigDict()
-    c.reward.fn = "math_verify"  # "math_verify", "reverse" (tiny task) or "module.path:function" (rl/rewards.py)
-    c.reward.timeout_s = 5.0  # per call; a stuck call's worker is killed and replaced, the reward is 0
-    c.reward.workers = 2  # scoring processes, working while the engine generates
-    c.reward.overlong_buffer = 0  # DAPO soft overlong punishment window in tokens (0: off)
-    c.reward.overlong_factor = 1.0
-
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.engine = "jax"  # "jax", "vllm", "sim"
-    for field, value in RolloutConfig().__dict__.items():
-        if field != "stop_token_ids":
-            setattr(c.rollout, field, value)
-    c.rollout.max_num_seqs = 64
-    c.rollout.max_model_len = 0  # 0: max_prompt_len + max_response_len
-    c.rollout.vllm_urls = ""  # comma-separated servers to attach to (vllm engine); else one is launched
-    c.rollout.vllm_python = ""  # interpreter with vllm installed (its own venv); empty: this one
-    c.rollout.weight_transport = "shm"  # vllm: "shm", "file" or "cuda_ipc" (GPU, untested)
-    c.rollout.vllm_sleep_mode = False  # vllm colocated on the trainer's GPU: sleep while training
-    c.rollout.decode_steps_per_call = 8  # jax engine: decode steps per jitted call
-    c.rollout.reuse_aborted_kv = False  # jax engine: resume partials from their parked KV (no re-prefill)
-    c.rollout.free_kv_cache_in_train = True  # jax engine: free its KV cache during train steps (verl's free_cache_engine)
-
-    # loss.max_staleness is not a key: the loss masks exactly what rollout.max_staleness allows
-    c.loss = ml_collections.ConfigDict({k: v for k, v in LossConfig().__dict__.items() if k != "max_staleness"})
-    c.loss.norm_len = 0  # seq-mean-token-sum-norm's constant; 0: rollout.max_response_len
-    c.loss.ref_path = ""  # KL reference (HF checkpoint dir) when kl_coef > 0; empty: the initial policy
-    c.loss.clip_c = 0.0  # dual-clip constant for negative advantages (e.g. 3.0); 0: off
-    c.loss.advantage = "grpo"  # "grpo", "drgrpo", "rloo"
-    c.loss.advantage_batch_norm = False
-    c.loss.tis = "token"
-
-    c.optimizer = ml_collections.ConfigDict(dict(OptimizerConfig().__dict__))
-    c.optimizer.total_steps = 0  # optimiser steps of the cosine schedule; 0: train.total_steps x train.num_iterations
-
-    c.train = ml_collections.ConfigDict()
-    c.train.total_steps = 100
-    c.train.micro_batch_size = 0  # 0: the whole batch at once
-    c.train.num_iterations = 1  # PPO epochs over each rollout
-    c.train.max_skipped_steps = 3  # stop with an error after this many consecutive skipped (non-finite) steps
-
-    c.warmup = ml_collections.ConfigDict()  # supervised warm-up before RL (fresh runs only)
-    c.warmup.steps = 0
-    c.warmup.lr = 3e-3
-    c.warmup.batch_size = 64
-    c.warmup.reverse_frac = 1.0  # share of reversed (rewarded) answers; the rest are copies of the list
-
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 10
-    c.checkpoint.keep = 3
-
-    c.eval = ml_collections.ConfigDict()
-    c.eval.every = 0  # steps; 0: off
-    c.eval.num_prompts = 64
-    c.eval.n_samples = 4  # avg@k
-    c.eval.temperature = 0.6
-
-    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
-    c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True))
-    c.log.wandb_project = ""  # Weights & Biases project; empty: off (pip install 'april_jax[wandb]')
-    c.log.wandb_mode = "online"  # "online", "offline" (no network; `wandb sync WORKDIR/wandb/offline-run-*` later)
-    return c
+    """Every key at its default (what `configs/*.py` start from)."""
+    return schema.to_configdict(Config)
 
 
-def _flat(c: ml_collections.ConfigDict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in c.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, ml_collections.ConfigDict):
-            out.update(_flat(value, name + "."))
-        else:
-            out[name] = value
-    return out
+def help_text(prefix: str = "") -> str:
+    """Every key under `prefix` ('' for all) with its type, default, allowed values and doc."""
+    if prefix and not any(name == prefix or name.startswith(prefix + ".") for name in SPECS):
+        near = schema.nearest(prefix, set(SPECS) | set(schema.section_docs(Config)))
+        raise ConfigError(f"no config key {prefix!r}" + (f"; did you mean {near!r}?" if near else ""))
+    return schema.help_text(Config, prefix)
 
 
 def check_overrides(argv: list[str], flag: str = "config") -> None:
-    """Fail on `--config.x.y=...` keys that are not in the schema, suggesting the nearest one."""
-    known = _flat(default_config())
+    """`--config.x.y=value` args: each key known (else the nearest is suggested) and each value of its type."""
     for arg in argv:
         if not arg.startswith(f"--{flag}."):
             continue
-        key = arg[len(flag) + 3:].split("=", 1)[0]
-        if key not in known:
-            near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-            hint = f"; did you mean --{flag}.{near[0]}?" if near else ""
-            raise ConfigError(f"unknown config key {key!r}{hint}")
+        name, has_value, text = arg[len(flag) + 3:].partition("=")
+        if name not in SPECS:
+            near = schema.nearest(name, SPECS)
+            raise ConfigError(f"unknown config key {name!r}" + (f"; did you mean --{flag}.{near}?" if near else ""))
+        if has_value:
+            SPECS[name].parse(text)
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Schema check (keys and types) plus cross-field rules; returns `c`."""
-    known, given = _flat(default_config()), _flat(c)
-    for key, value in given.items():
-        if key not in known:
-            near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-            raise ConfigError(f"unknown config key {key!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
-        expected = known[key]
-        if expected is None or value is None:
-            continue
-        ok = isinstance(value, type(expected)) or (isinstance(expected, float) and isinstance(value, int)
-                                                    and not isinstance(value, bool))
-        if isinstance(expected, int) and not isinstance(expected, bool) and isinstance(value, bool):
-            ok = False
-        if not ok:
-            raise ConfigError(f"config key {key!r} expects {type(expected).__name__}, got {value!r} "
-                              f"({type(value).__name__})")
-    choices = {"rollout.engine": ("jax", "vllm", "sim"), "data.task": ("file", "reverse"),
-               "data.overlong_prompt": ("error", "skip"), "optimizer.schedule": ("constant", "cosine"),
-               "rollout.weight_transport": ("shm", "file", "cuda_ipc"),
-               "loss.advantage": ("grpo", "drgrpo", "rloo"), "model.dtype": tuple(qwen3.DTYPES),
-               "model.compute_dtype": tuple(qwen3.DTYPES), "model.remat": tuple(qwen3.REMAT_POLICIES),
-               "model.attention_impl": qwen3.ATTENTION_IMPLS}
-    for key, allowed in choices.items():
-        if given[key] not in allowed:
-            raise ConfigError(f"config key {key!r}={given[key]!r}: expected one of {allowed}")
-    for key in ("train.total_steps", "checkpoint.every", "checkpoint.keep", "train.num_iterations",
-                "rollout.decode_steps_per_call", "train.max_skipped_steps", "warmup.batch_size", "reward.workers",
-                "data.max_prompt_len", "rollout.max_num_seqs", "eval.n_samples"):
-        if given[key] <= 0:
-            raise ConfigError(f"config key {key!r}={given[key]}: must be > 0")
-    for key in ("loss.norm_len", "optimizer.total_steps", "loss.kl_coef", "train.micro_batch_size", "warmup.steps",
-                "eval.every", "eval.num_prompts", "rollout.max_model_len", "reward.overlong_buffer"):
-        if given[key] < 0:
-            raise ConfigError(f"config key {key!r}={given[key]}: must be >= 0")
-    if not 0.0 <= c.warmup.reverse_frac <= 1.0:
-        raise ConfigError(f"config key 'warmup.reverse_frac'={c.warmup.reverse_frac}: must be in [0, 1]")
-    for key in ("optimizer.lr", "warmup.lr"):
-        if not math.isfinite(given[key]) or given[key] < 0:
-            raise ConfigError(f"config key {key!r}={given[key]}: must be a finite number >= 0")
-    rollout_cfg(c)  # before the cross-field rules below: a bad rollout key is blamed, not what uses it
+    """The generated per-key checks, then the rules that relate keys; returns `c`."""
+    schema.check_values(schema.flat(c), SPECS, skip=SELF_CHECKED)
+    rollout_cfg(c)  # before the rules below: a bad rollout key is blamed, not what uses it
     loss_cfg(c)
     batch = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
     if c.train.micro_batch_size and batch % c.train.micro_batch_size:
         raise ConfigError(f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "
                           f"of rollout.rollout_batch_size x rollout.n_samples_per_prompt = {batch} sequences")
-    if c.warmup.steps and c.data.task != "reverse":
-        raise ConfigError("config key 'warmup.steps' > 0 needs data.task='reverse' (the task with supervised examples)")
     if not c.model.path and not c.model.arch:
         raise ConfigError("config: set model.path (a Hugging Face checkpoint dir) or model.arch")
     if c.data.task == "file" and not c.data.train_path:
         raise ConfigError("config key 'data.train_path' is empty (data.task='file' needs a jsonl/parquet file)")
-    if c.log.wandb_mode not in ("online", "offline", "disabled"):
-        raise ConfigError(f"config key 'log.wandb_mode'={c.log.wandb_mode!r}: expected 'online', 'offline' or 'disabled'")
     chat_template_kwargs(c)
     return c
 
 
 def chat_template_kwargs(c) -> dict:
     """`data.chat_template_kwargs` (a JSON object string) as a dict."""
-    import json
-
     text = c.data.chat_template_kwargs.strip()
     if not text:
         return {}
@@ -214,20 +250,23 @@ def chat_template_kwargs(c) -> dict:
     return value
 
 
+def _fields(cls, section_dict) -> dict:
+    return {f.name: section_dict[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
 def rollout_cfg(c, stop_token_ids=()) -> RolloutConfig:
-    fields = {k: c.rollout[k] for k in RolloutConfig().__dict__ if k != "stop_token_ids"}
     try:
-        return RolloutConfig(**fields, stop_token_ids=tuple(stop_token_ids)).validate()
+        return RolloutConfig(**_fields(RolloutConfig, c.rollout), stop_token_ids=tuple(stop_token_ids)).validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
 def loss_cfg(c) -> LossConfig:
-    fields = {k: c.loss[k] for k in LossConfig().__dict__ if k != "max_staleness"}
-    fields["tis"] = None if fields["tis"] in ("", "none", None) else fields["tis"]
-    fields["clip_c"] = fields["clip_c"] or None
-    fields["norm_len"] = c.loss.norm_len or c.rollout.max_response_len
-    fields["max_staleness"] = c.rollout.max_staleness
+    """The loss's keys in their runtime form: 0/'none' mean off, norm_len 0 the generation budget,
+    and the staleness cap is rollout.max_staleness (one key for the rollout and the loss)."""
+    fields = _fields(LossConfig, c.loss)
+    fields.update(clip_c=c.loss.clip_c or None, tis=None if c.loss.tis == "none" else c.loss.tis,
+                  norm_len=c.loss.norm_len or c.rollout.max_response_len, max_staleness=c.rollout.max_staleness)
     try:
         return LossConfig(**fields).validate()
     except ValueError as e:
@@ -235,7 +274,7 @@ def loss_cfg(c) -> LossConfig:
 
 
 def optimizer_cfg(c) -> OptimizerConfig:
-    fields = {k: c.optimizer[k] for k in OptimizerConfig().__dict__}
+    fields = _fields(OptimizerConfig, c.optimizer)
     # the schedule counts optimiser steps: one per PPO epoch of every train step
     fields["total_steps"] = c.optimizer.total_steps or c.train.total_steps * c.train.num_iterations
     return OptimizerConfig(**fields)

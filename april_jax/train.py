@@ -19,24 +19,7 @@ import numpy as np
 
 from april_jax import config as config_lib
 from april_jax.config import ConfigError, fail
-
-
-def _coerce_check(argv: list[str]) -> None:
-    """Type-check `--config.x=value` strings before absl parses them (clear one-line errors)."""
-    known = config_lib._flat(config_lib.default_config())
-    for arg in argv:
-        if not arg.startswith("--config.") or "=" not in arg:
-            continue
-        key, value = arg[len("--config."):].split("=", 1)
-        expected = known.get(key)
-        if isinstance(expected, bool):
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ConfigError(f"config key {key!r} expects bool, got {value!r}")
-        elif isinstance(expected, (int, float)):
-            try:
-                type(expected)(value) if isinstance(expected, float) else int(value)
-            except ValueError:
-                raise ConfigError(f"config key {key!r} expects {type(expected).__name__}, got {value!r}") from None
+from april_jax.task import Task, build_task
 
 
 def _check_config_file(argv: list[str]) -> str:
@@ -63,7 +46,6 @@ def load_config(argv: list[str]):
     from ml_collections import config_flags
 
     config_lib.check_overrides(argv)
-    _coerce_check(argv)
     file = _check_config_file(argv)
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "training config file", flag_values=fv, lock_config=True,
@@ -84,43 +66,6 @@ def load_config(argv: list[str]):
         c.data.tokenizer_path = assets.resolve(c.data.tokenizer_path)
         c.loss.ref_path = assets.resolve(c.loss.ref_path)
     return c
-
-
-def build_task(c, model_path: str | None):
-    """(train prompts, eval prompts, stop ids, reward model, vocab size or None, decode fn, prompt decode fn)."""
-    from april_jax.rl.rewards import RewardModel
-
-    if c.data.task == "reverse":
-        from april_jax.data import reverse
-
-        return (reverse.ReverseTask(c.seed, "train"), reverse.ReverseTask(c.seed, "eval").take(c.eval.num_prompts),
-                (reverse.EOS,), RewardModel("reverse"), reverse.VOCAB_SIZE, reverse.decode, reverse.decode)
-    from april_jax.data.dataset import PromptDataset, read_rows
-    from april_jax.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(c.data.tokenizer_path or model_path, system_prompt=c.data.system_prompt,
-                         chat=c.data.chat_template, template_kwargs=config_lib.chat_template_kwargs(c))
-    lengths = dict(max_prompt_len=c.data.max_prompt_len, overlong=c.data.overlong_prompt)
-    train = PromptDataset(read_rows(c.data.train_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
-                          seed=c.seed, shuffle=c.data.shuffle, **lengths)
-    datasets = [train]
-    eval_prompts = []
-    if c.data.eval_path:
-        ev = PromptDataset(read_rows(c.data.eval_path, c.data.prompt_key, c.data.answer_key), tok.encode_prompt,
-                           shuffle=False, **lengths)
-        eval_prompts = [next(ev) for _ in range(min(c.eval.num_prompts, len(ev.rows)))]
-        datasets.append(ev)
-    for ds in datasets:
-        if ds.skipped:
-            print(f"data.overlong_prompt=skip: skipped {len(ds.skipped)} of {len(ds.skipped) + len(ds.rows)} prompts "
-                  f"longer than data.max_prompt_len={c.data.max_prompt_len} tokens (first: {ds.skipped[0]})",
-                  file=sys.stderr)
-    if not tok.template and any(not isinstance(r[0], str) for r in train.rows):
-        raise ConfigError(f"{c.data.train_path}: prompts are chat messages but no chat template is used "
-                          "(data.chat_template=false or the tokenizer has none)")
-    reward = RewardModel(c.reward.fn, timeout_s=c.reward.timeout_s, workers=c.reward.workers)
-    return (train, eval_prompts, tuple(tok.stop_ids), reward, tok.vocab_size, tok.decode,
-            lambda ids: tok.decode(ids, skip_special_tokens=False))
 
 
 def build_model(c, mesh, vocab_size):
@@ -280,7 +225,7 @@ def _run(c, workdir: Path, lock, started: float) -> dict:
     # Everything that can reject bad input runs before the workdir is touched.
     task = build_task(c, c.model.path or None)
     with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse, however the run ends
-        cleanup.callback(task[3].close)
+        cleanup.callback(task.reward.close)
         return _train(c, workdir, lock, mesh, task, cleanup, started)
 
 
@@ -316,7 +261,7 @@ class _MarkedScores:
         return self._result
 
 
-def _train(c, workdir: Path, lock, mesh, task, cleanup, started: float) -> dict:
+def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) -> dict:
     import jax
 
     from april_jax.checkpointing import Checkpointer
@@ -327,10 +272,10 @@ def _train(c, workdir: Path, lock, mesh, task, cleanup, started: float) -> dict:
     from april_jax.rl.train_step import Trainer
     from april_jax.rollout.april import April
 
-    train_prompts, eval_prompts, stop_ids, reward, vocab, decode, decode_prompt = task
-    check_vocab(c, vocab)
+    train_prompts, eval_prompts, stop_ids, reward = task.train, task.eval_prompts, task.stop_ids, task.reward
+    check_vocab(c, task.vocab_size)
     mesh = mesh if jax.device_count() > 1 else None
-    model = build_model(c, mesh, vocab)
+    model = build_model(c, mesh, task.vocab_size)
     if lock is not None:
         lock.acquire()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -339,11 +284,10 @@ def _train(c, workdir: Path, lock, mesh, task, cleanup, started: float) -> dict:
     ckpt = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep)
     cleanup.callback(ckpt.close)
     latest = ckpt.latest_step()
-    if latest is None and c.warmup.steps:  # fresh run: supervised warm-up before RL
-        from april_jax.data import reverse
+    if latest is None and c.warmup.steps:  # fresh run: supervised warm-up before RL on the task's examples
         from april_jax.rl import sft
 
-        examples = reverse.sft_examples(c.seed, 20_000, reverse_frac=c.warmup.reverse_frac)
+        examples = task.warmup_examples(c.seed, 20_000)
         losses = sft.warmup(model, examples, steps=c.warmup.steps, lr=c.warmup.lr, batch_size=c.warmup.batch_size,
                             seed=c.seed)
         print(f"supervised warm-up: {c.warmup.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=sys.stderr)
@@ -355,8 +299,8 @@ def _train(c, workdir: Path, lock, mesh, task, cleanup, started: float) -> dict:
         return r + float(overlong_penalty(len(sample.response_ids), c.rollout.max_response_len,
                                           c.reward.overlong_buffer, c.reward.overlong_factor))
 
-    scorer = GroupScorer(reward, decode, decode_prompt, overlong if c.reward.overlong_buffer else None)
-    eval_scorer = GroupScorer(reward, decode, decode_prompt)
+    scorer = GroupScorer(reward, task.decode, task.decode_prompt, overlong if c.reward.overlong_buffer else None)
+    eval_scorer = GroupScorer(reward, task.decode, task.decode_prompt)
     april = April(config_lib.rollout_cfg(c, stop_ids), train_prompts, _MarkFailedRewards(scorer, reward))
     start, version, rng = 0, 0, {}
     restored = ckpt.restore_latest(trainer.params, trainer.opt_state, trainer.param_shardings, trainer.opt_shardings,
@@ -441,8 +385,35 @@ def _train(c, workdir: Path, lock, mesh, task, cleanup, started: float) -> dict:
     return last
 
 
+USAGE = """usage: python -m april_jax.train --config FILE [--config.KEY=VALUE ...]
+       python -m april_jax.train --help [KEY.PREFIX]   (e.g. --help rollout, --help loss.kl_coef)
+
+FILE is a Python file whose get_config() returns the config (configs/*.py); --config.KEY=VALUE
+overrides one key. Keys (type, default; allowed values), each with what it does:
+"""
+
+
+def help_prefix(argv: list[str]) -> str | None:
+    """The KEY.PREFIX of `--help [PREFIX]` / `--help=PREFIX` / `-h` ('' for all keys), or None."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg.startswith("--help="):
+            return arg.split("=", 1)[1]
+        if arg in ("--help", "-h", "--helpfull"):
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            return "" if following.startswith("-") else following
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv if argv is None else argv)
+    prefix = help_prefix(argv)
+    if prefix is not None:
+        try:
+            keys = config_lib.help_text(prefix)
+        except ConfigError as e:
+            fail(str(e))
+        print((USAGE + "\n" if not prefix else "") + keys)
+        return
     try:
         c = load_config(argv)
         run(c)

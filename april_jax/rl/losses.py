@@ -32,41 +32,45 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from april_jax.schema import check_fields, internal, key
+
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    policy_loss: str = "ppo"  # or "gspo"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
-    clip_c: float | None = None  # dual clip for negative advantages, e.g. 3.0
-    loss_agg_mode: str = "token-mean"
-    norm_len: int = 1024  # seq-mean-token-sum-norm's constant (the generation budget); config 0: max_response_len
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-    entropy_coef: float = 0.0
-    pi_old: str = "recompute"  # or "bypass": use the behaviour logprobs as pi_old
-    tis: str | None = "token"  # "token", "sequence" or None
-    tis_cap: float = 2.0
-    max_staleness: int = 5
-    staleness_decay: float = 0.9
+    """The loss's settings; each field is also the config key `loss.<field>` (april_jax/config.py
+    adds the keys that only the trainer reads and gives clip_c/tis/norm_len their config forms)."""
+
+    policy_loss: str = key("ppo", "ratio per token (PPO/GRPO/DAPO) or per sequence (GSPO)", choices=("ppo", "gspo"))
+    clip_eps_low: float = key(0.2, "lower PPO clip: ratios below 1 - clip_eps_low are clipped", ge=0)
+    clip_eps_high: float = key(0.28, "upper PPO clip: ratios above 1 + clip_eps_high are clipped (DAPO clip-higher)",
+                               ge=0)
+    clip_c: float | None = internal(None, "dual-clip constant for negative advantages (e.g. 3.0); None: off")
+    loss_agg_mode: str = key("token-mean", "how token losses are averaged over the batch (verl's loss_agg_mode)",
+                             choices=AGG_MODES)
+    norm_len: int = internal(1024, "seq-mean-token-sum-norm's constant (the generation budget)")
+    kl_coef: float = key(0.0, "weight of the KL to the frozen reference policy (verl's use_kl_loss); 0: no KL",
+                         ge=0, finite=True)
+    kl_type: str = key("k3", "KL estimator: k1 (log ratio), k2 (squared / 2), k3 (verl's low_var_kl)",
+                       choices=("k1", "k2", "k3"))
+    entropy_coef: float = key(0.0, "weight of the entropy bonus (subtracted from the loss); 0: off", finite=True)
+    pi_old: str = key("recompute", "pi_old: recomputed once per rollout batch by the trainer, or 'bypass' "
+                                   "(the engine's behaviour logprobs)", choices=("recompute", "bypass"))
+    tis: str | None = internal("token", "truncated importance sampling: 'token', 'sequence' or None")
+    tis_cap: float = key(2.0, "truncated-IS cap C: weights min(pi_old / pi_behaviour, C)", gt=0)
+    max_staleness: int = internal(5, "tokens older than this many policy versions are masked (rollout.max_staleness)")
+    staleness_decay: float = key(0.9, "per-token weight decay ** (current version - token's version)", gt=0, le=1)
 
     def validate(self) -> "LossConfig":
-        checks = [("policy_loss", ("ppo", "gspo")), ("loss_agg_mode", AGG_MODES), ("kl_type", ("k1", "k2", "k3")),
-                  ("pi_old", ("recompute", "bypass")), ("tis", ("token", "sequence", None))]
-        for key, allowed in checks:
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"loss.{key}={getattr(self, key)!r}: expected one of {allowed}")
+        check_fields(self, "loss")
+        if self.tis not in ("token", "sequence", None):
+            raise ValueError(f"loss.tis={self.tis!r}: expected one of ('token', 'sequence', None)")
         if self.policy_loss == "gspo" and self.tis == "token":
             raise ValueError("loss.tis='token' with loss.policy_loss='gspo': GSPO weighs whole sequences; "
                              "use loss.tis='sequence' or None")
         if self.norm_len <= 0:
             raise ValueError(f"loss.norm_len={self.norm_len}: must be > 0")
-        if self.kl_coef < 0:
-            raise ValueError(f"loss.kl_coef={self.kl_coef}: must be >= 0")
-        if not 0 < self.staleness_decay <= 1:
-            raise ValueError(f"loss.staleness_decay={self.staleness_decay}: must be in (0, 1]")
         return self
 
 

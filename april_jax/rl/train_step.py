@@ -35,19 +35,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from april_jax.models.qwen3 import Qwen3
 from april_jax.models.sharding import logical_sharding
 from april_jax.rl.losses import LossConfig, denominators, effective_mask, policy_loss
+from april_jax.schema import key
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 1e-6
-    warmup_steps: int = 0
-    total_steps: int = 1000  # optimiser steps the cosine schedule spans (train config 0: derived from train.*)
-    schedule: str = "constant"  # or "cosine"
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
+    """AdamW with global-norm clipping; each field is the config key `optimizer.<field>`."""
+
+    lr: float = key(1e-6, "peak learning rate of the policy update", ge=0, finite=True)
+    warmup_steps: int = key(0, "optimiser steps of linear learning-rate warm-up from 0", ge=0)
+    total_steps: int = key(0, "optimiser steps the cosine schedule spans; 0: train.total_steps x train.num_iterations",
+                           ge=0)
+    schedule: str = key("constant", "learning-rate schedule after the warm-up", choices=("constant", "cosine"))
+    weight_decay: float = key(0.0, "AdamW decoupled weight decay", ge=0)
+    b1: float = key(0.9, "Adam beta1", ge=0, le=1)
+    b2: float = key(0.999, "Adam beta2", ge=0, le=1)
+    eps: float = key(1e-8, "Adam epsilon", gt=0)
+    max_grad_norm: float = key(1.0, "clip the gradient to this global norm", gt=0)
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:

@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from april_jax.rollout.buffer import PartialBuffer
+from april_jax.schema import check_fields, internal, key
 from april_jax.rollout.types import Group, PromptRecord, Request, Result, Sample, SamplingParams
 
 RewardFn = Callable[[Sample, PromptRecord], float]  # or an object with submit_group(group) -> pending scores
@@ -56,60 +57,53 @@ class _Scored:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    rollout_batch_size: int = 32
-    n_samples_per_prompt: int = 8
-    over_sampling_batch_size: int = 64
-    partial_rollout: bool = True
-    max_response_len: int = 1024
-    max_staleness: int = 5
-    stale_policy: str = "restart"  # or "drop_group"
-    dynamic_sampling: bool = False
-    schedule: str = "fifo"  # or "short_first"
-    # How the in-flight budget (over_sampling_batch_size groups) is counted:
-    #   "groups":  delivered + in-flight groups, a resumed group by `resume_count`; the engine
-    #              drains as members finish and refills only when a group is dropped (the paper's);
-    #   "members": unfinished requests / n_samples_per_prompt, refilled as members finish, so the
-    #              engine keeps over_sampling_batch_size x n requests in flight all step.
-    refill: str = "groups"
-    resume_count: str = "fraction"  # a resumed group with k of n unfinished counts k/n, or "group": 1 (slime)
-    # How many requests may be in flight (fresh groups wait while the limit is reached):
-    #   "over_sampling": over_sampling_batch_size x n_samples_per_prompt, whatever the engine;
-    #   "auto": also no more than lets a max_response_len response finish within max_staleness
-    #           steps (a response advances one token per decode step, so R requests in flight
-    #           make a step of D delivered tokens last D / R decode steps: R <= staleness x D /
-    #           max_response_len, D measured), and, on an engine that reports its KV budget
-    #           (`kv_budget_tokens`, the simulated replicas), no more than whose contexts fit it
-    #           (R <= budget / the token-weighted mean context measured). Issue 13.
-    inflight: str = "over_sampling"
-    buffer_capacity: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    """APRIL's settings; each field but stop_token_ids is the config key `rollout.<field>`."""
+
+    rollout_batch_size: int = key(32, "prompt groups delivered to each train step", gt=0)
+    n_samples_per_prompt: int = key(8, "responses per prompt (the GRPO group size)", gt=0)
+    over_sampling_batch_size: int = key(64, "prompt groups kept in flight; = rollout_batch_size (with "
+                                            "partial_rollout=false): the synchronous baseline", gt=0)
+    partial_rollout: bool = key(True, "keep aborted groups in the buffer and resume them next step (APRIL); "
+                                      "false: discard them")
+    max_response_len: int = key(1024, "generation budget per response, in tokens (a resumed response counts "
+                                      "what it already generated)", gt=0)
+    max_staleness: int = key(5, "policy versions a buffered token may lag; older ones are restarted/dropped "
+                                "(stale_policy) and masked in the loss", ge=0)
+    stale_policy: str = key("restart", "a buffered member past max_staleness: regenerate it from the prompt, "
+                                       "or drop its whole group", choices=("restart", "drop_group"))
+    dynamic_sampling: bool = key(False, "DAPO dynamic sampling: drop groups whose rewards are all equal "
+                                        "(zero advantage) and draw more prompts")
+    schedule: str = key("fifo", "submission order of buffered groups: as they came, or shortest remaining first "
+                                "(by the prompt's past response lengths)", choices=("fifo", "short_first"))
+    # "groups": delivered + in-flight groups, a resumed group by `resume_count`; the engine drains
+    # as members finish and refills only when a group is dropped (the paper's). "members":
+    # unfinished requests / n_samples_per_prompt, refilled as members finish (issue 13).
+    refill: str = key("groups", "how the in-flight budget is counted: by groups (the paper's: refilled when a "
+                                "group is dropped) or by unfinished members (refilled as they finish)",
+                      choices=("groups", "members"))
+    resume_count: str = key("fraction", "a resumed group with k of n members unfinished counts k/n of the "
+                                        "budget, or 1 ('group', as slime)", choices=("fraction", "group"))
+    # "auto" also caps the in-flight requests so that a max_response_len response finishes within
+    # max_staleness steps (a response advances one token per decode step: R requests in flight
+    # make a step of D delivered tokens last D / R decode steps, so R <= staleness x D /
+    # max_response_len, D measured) and, on an engine that reports its KV budget
+    # (`kv_budget_tokens`, the simulated replicas), so that their contexts fit it. Issue 13.
+    inflight: str = key("over_sampling", "requests in flight: over_sampling_batch_size x n_samples_per_prompt, or "
+                                         "'auto': also as few as let a full-length response finish within "
+                                         "max_staleness steps (and fit the KV budget)",
+                        choices=("over_sampling", "auto"))
+    buffer_capacity: int = key(1024, "most groups the partial buffer holds; the oldest are evicted beyond it", gt=0)
+    temperature: float = key(1.0, "sampling temperature (0: greedy); the loss's logprobs use the same one",
+                             ge=0, finite=True)
+    top_p: float = key(1.0, "nucleus sampling: keep the smallest token set with this much probability", gt=0, le=1)
+    top_k: int = key(0, "sample among the k most likely tokens; 0: all", ge=0)
+    stop_token_ids: tuple[int, ...] = internal((), "token ids that end a response (from the task's tokenizer)")
 
     def validate(self) -> "RolloutConfig":
-        def bad(key, why):
-            raise ValueError(f"rollout.{key}={getattr(self, key)!r}: {why}")
-
-        for key in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len", "buffer_capacity"):
-            if getattr(self, key) <= 0:
-                bad(key, "must be > 0")
+        check_fields(self, "rollout")
         if self.over_sampling_batch_size < self.rollout_batch_size:
-            bad("over_sampling_batch_size", f"must be >= rollout.rollout_batch_size={self.rollout_batch_size}")
-        if self.max_staleness < 0:
-            bad("max_staleness", "must be >= 0")
-        if self.stale_policy not in ("restart", "drop_group"):
-            bad("stale_policy", "must be 'restart' or 'drop_group'")
-        if self.schedule not in ("fifo", "short_first"):
-            bad("schedule", "must be 'fifo' or 'short_first'")
-        if self.refill not in ("groups", "members"):
-            bad("refill", "must be 'groups' or 'members'")
-        if self.resume_count not in ("fraction", "group"):
-            bad("resume_count", "must be 'fraction' or 'group'")
-        if self.inflight not in ("over_sampling", "auto"):
-            bad("inflight", "must be 'over_sampling' or 'auto'")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
+            raise ValueError(f"rollout.over_sampling_batch_size={self.over_sampling_batch_size}: must be >= "
+                             f"rollout.rollout_batch_size={self.rollout_batch_size}")
         return self
 
 
