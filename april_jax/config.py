@@ -42,7 +42,8 @@ class TinyModel:
 class Model:
     path: str = key("", "Hugging Face checkpoint dir (config.json + safetensors) or asset:NAME; empty: a random "
                         "model of model.arch")
-    arch: str = key("", "when model.path is empty: a preset (qwen3-0.6b ... qwen3-8b) or 'tiny' (model.tiny.*)")
+    arch: str = key("", "when model.path is empty: a preset of models/qwen3.py or 'tiny' (model.tiny.*)",
+                    choices=("", "tiny", *qwen3.PRESETS))
     dtype: str = key("float32", "parameter (master weight) dtype", choices=tuple(qwen3.DTYPES))
     compute_dtype: str = key("float32", "activation/matmul dtype (bfloat16 with float32 weights: mixed precision); "
                                         "the vLLM server runs in it", choices=tuple(qwen3.DTYPES))
@@ -94,8 +95,8 @@ class Rollout(RolloutConfig):
     max_model_len: int = key(0, "longest prompt + response the engine holds; 0: data.max_prompt_len + "
                                 "rollout.max_response_len", ge=0)
     vllm_urls: str = key("", "vllm: comma-separated servers to attach to; empty: one is launched")
-    vllm_python: str = key("", "vllm: interpreter with vllm installed (its own venv); empty: found "
-                               "(.venv-vllm, then this one)")
+    vllm_python: str = key("", "vllm: interpreter with vllm installed (e.g. another venv); empty: this one if it "
+                               "has vllm, else the repo's .venv-vllm")
     weight_transport: str = key("shm", "vllm: how new weights reach the server (cuda_ipc: same GPU, untested)",
                                 choices=("shm", "file", "cuda_ipc"))
     vllm_sleep_mode: bool = key(False, "vllm colocated on the trainer's GPU: the server sleeps (frees its memory) "
@@ -117,7 +118,8 @@ class Loss(LossConfig):
     ref_path: str = key("", "KL reference (HF checkpoint dir) when loss.kl_coef > 0; empty: the initial policy")
     advantage: str = key("grpo", "advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), "
                                  "rloo (leave-one-out mean)", choices=("grpo", "drgrpo", "rloo"))
-    advantage_batch_norm: bool = key(False, "normalise advantages over the whole batch afterwards")
+    advantage_batch_norm: bool = key(False, "afterwards, whiten the advantages over the whole batch (minus its mean, "
+                                            "over its std; REINFORCE++-style)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +230,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if c.train.micro_batch_size and batch % c.train.micro_batch_size:
         raise ConfigError(f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "
                           f"of rollout.rollout_batch_size x rollout.n_samples_per_prompt = {batch} sequences")
+    axes = {axis: c.mesh[axis] for axis in ("data", "fsdp", "tensor")}
+    for axis, size in axes.items():
+        if size == 0:
+            raise ConfigError(f"config key 'mesh.{axis}'=0: must be > 0 or -1 (the remaining devices)")
+    if list(axes.values()).count(-1) > 1:
+        raise ConfigError(f"config: at most one mesh axis may be -1, got {axes}")
     if not c.model.path and not c.model.arch:
         raise ConfigError("config: set model.path (a Hugging Face checkpoint dir) or model.arch")
     if c.data.task == "file" and not c.data.train_path:

@@ -27,7 +27,7 @@ def _check_config_file(argv: list[str]) -> str:
     file = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
     file = file or next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if not file:
-        raise ConfigError("missing --config FILE (e.g. --config configs/tiny.py)")
+        raise ConfigError("missing --config FILE (e.g. --config configs/tiny.py; --help lists every key)")
     path = Path(file.split(":", 1)[0] if not Path(file).exists() else file)  # FILE:arg selects a variant
     if not path.is_file():
         raise ConfigError(f"config file {file}: not found")

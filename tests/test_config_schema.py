@@ -217,3 +217,34 @@ def test_the_dead_key_check_catches_an_unused_key(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "SPECS", extra)
     with pytest.raises(AssertionError, match=r"keys nothing reads: \['train.unused_knob'\]"):
         test_every_key_is_read_by_the_code_it_configures()
+
+
+# ---- the task supplies the warm-up examples ----
+
+def test_warmup_examples_come_from_the_task_and_a_task_without_them_is_a_config_error(tmp_path):
+    import json
+
+    from april_jax import assets
+    from april_jax.data import reverse
+    from april_jax.task import build_task
+
+    c = config_lib.default_config()
+    c.data.task, c.warmup.steps, c.warmup.reverse_frac = "reverse", 5, 0.35
+    task = build_task(c, None)
+    try:
+        assert task.warmup_examples(3, 50) == reverse.sft_examples(3, 50, reverse_frac=0.35)
+    finally:
+        task.reward.close()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "What is 1 + 1?", "answer": "2"}) + "\n")
+    c = config_lib.default_config()
+    c.data.train_path, c.data.tokenizer_path = str(rows), str(assets.smollm2_135m_instruct())
+    c.warmup.steps = 2
+    with pytest.raises(ConfigError, match="config key 'warmup.steps'=2: data.task='file' has no supervised warm-up"):
+        build_task(c, None)
+    c.warmup.steps = 0
+    task = build_task(c, None)
+    try:
+        assert task.warmup_examples is None and task.stop_ids and len(task.train.rows) == 1
+    finally:
+        task.reward.close()
