@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import typing
 
@@ -96,9 +97,16 @@ class Spec:
         return text
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+@functools.lru_cache(maxsize=None)
 def specs(cls, prefix: str = "") -> dict[str, Spec]:
-    """{dotted key: Spec} of every config key under the dataclass `cls` (internal fields left out)."""
-    hints = typing.get_type_hints(cls)
+    """{dotted key: Spec} of every config key under the dataclass `cls` (internal fields left out).
+    Cached (every validate() asks): treat it as read-only."""
+    hints = _hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
         name = prefix + f.name
@@ -132,11 +140,12 @@ def to_configdict(cls):
     import ml_collections
 
     c = ml_collections.ConfigDict()
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("section"):
             setattr(c, f.name, to_configdict(f.metadata["section"]))
         elif not f.metadata.get("internal"):
-            setattr(c, f.name, float(f.default) if typing.get_type_hints(cls)[f.name] is float else f.default)
+            setattr(c, f.name, float(f.default) if hints[f.name] is float else f.default)
     return c
 
 
