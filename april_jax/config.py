@@ -191,7 +191,8 @@ class Config:
 
 
 SPECS = schema.specs(Config)
-# keys the runtime dataclasses check themselves (rollout_cfg / loss_cfg build and validate them)
+# keys the runtime dataclasses check themselves when rollout_cfg / loss_cfg build them (the same
+# generated checks; the message reads `rollout.key=value: why`, as when they are built without a config)
 SELF_CHECKED = frozenset(schema.specs(RolloutConfig, "rollout.")) | frozenset(schema.specs(LossConfig, "loss."))
 
 
