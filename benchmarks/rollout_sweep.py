@@ -88,6 +88,8 @@ def main():
     parser.add_argument("--step-overhead-ms", type=float, default=None)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--reuse-log", nargs="*", default=[], help="per-task JSON lines of earlier sweeps: tasks "
+                        "found there are not run again")
     parser.add_argument("--from-log", default=None, help="summarise the per-task JSON lines a sweep wrote to stderr "
                         "(the rows whose runs are all there) instead of running")
     args = parser.parse_args()
@@ -116,8 +118,15 @@ def main():
                     results[json.dumps(tuple(d["task"]), sort_keys=True)] = d["result"]
         summarise(rows, results, args)
         return
+    results = {}
+    for path in args.reuse_log:
+        with open(path) as f:
+            for line in f:
+                if line.startswith('{"task"'):
+                    d = json.loads(line)
+                    results[json.dumps(tuple(d["task"]), sort_keys=True)] = d["result"]
+    tasks = [t for t in tasks if json.dumps(t, sort_keys=True) not in results]
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-        results = {}
         for i, (t, r) in enumerate(pool.imap(_run, tasks)):
             results[json.dumps(t, sort_keys=True)] = r
             print(json.dumps({"task": t, "result": r}), file=sys.stderr, flush=True)
