@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from april_jax import distributed
+
 # What the trainer and `ckpt` read from a checkpoint's meta.
 META_KEYS = ("step", "version", "skipped_steps", "data", "april", "model_config")
 
@@ -59,11 +61,13 @@ class Checkpointer:
             except Exception as e:  # tensorstore, orbax, JSON and key errors alike: the directory is unusable
                 bad.append((step, f"{type(e).__name__}: {_first_line(e)}"))
                 continue
-            for bad_step, why in bad:
-                moved = self._set_aside(bad_step)
-                log(f"warning: checkpoint {self.directory / str(bad_step)} is unreadable ({why}); moved to {moved}; "
-                    f"resuming from step {step}")
+            if bad and distributed.is_main():  # several processes share the directory: one moves
+                for bad_step, why in bad:
+                    moved = self._set_aside(bad_step)
+                    log(f"warning: checkpoint {self.directory / str(bad_step)} is unreadable ({why}); moved to "
+                        f"{moved}; resuming from step {step}")
             if bad:
+                distributed.barrier("checkpoints set aside")
                 self.manager.reload()
             return step, params, opt_state, meta
         if bad:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from april_jax import config as config_lib
+from april_jax import distributed
 from april_jax.config import ConfigError, fail
 from april_jax.task import Task, build_task
 
@@ -100,7 +101,7 @@ def build_reference(c, mesh, model, workdir: Path, fresh: bool):
     if not path and c.warmup.steps:
         path = str(workdir / "reference")
         if fresh:
-            qwen3.save_pretrained(model, path)
+            distributed.save_pretrained(model, path)
             return None
     if not path:
         return None
@@ -200,15 +201,12 @@ def check_vocab(c, task_vocab: int | None) -> None:
 
 
 def run(c) -> dict:
-    import jax
-
     from april_jax.workdir_lock import WorkdirLock
 
     started = time.perf_counter()
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_NTASKS", "1") != "1":
-        jax.distributed.initialize()  # multi-host: the mesh then spans every host's devices
+    distributed.initialize()  # several processes: the mesh then spans every process's devices
     workdir = Path(c.workdir)
-    lock = WorkdirLock(workdir) if jax.process_index() == 0 else None  # hosts share one workdir
+    lock = WorkdirLock(workdir) if distributed.is_main() else None  # processes share one workdir
     if lock is not None and workdir.exists():
         lock.acquire()  # a second trainer stops here, before loading anything
     try:
@@ -279,7 +277,9 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
     if lock is not None:
         lock.acquire()
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(c.to_json(indent=2))
+    main = distributed.is_main()  # process 0 owns the rollout and the workdir's files (distributed.py)
+    if main:
+        (workdir / "config.json").write_text(c.to_json(indent=2))
     max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
     ckpt = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep)
     cleanup.callback(ckpt.close)
@@ -316,30 +316,43 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
         print(f"resumed from {ckpt.directory / str(latest)} (step {start}, version {version}, "
               f"{len(april.buffer)} buffered groups)", file=sys.stderr)
     for name in ("metrics.jsonl", "delivered.jsonl"):
-        _truncate_log(workdir / name, start)
+        if main:
+            _truncate_log(workdir / name, start)
 
-    writer = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
-                           total_steps=c.train.total_steps, wandb_project=c.log.wandb_project,
-                           wandb_mode=c.log.wandb_mode, config=json.loads(c.to_json()))
-    cleanup.callback(writer.close)
-    engine = build_engine(c, trainer.model(), max_model_len, version)
-    cleanup.callback(engine.shutdown)
+    writer = engine = None
+    if main:
+        writer = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
+                               total_steps=c.train.total_steps, wandb_project=c.log.wandb_project,
+                               wandb_mode=c.log.wandb_mode, config=json.loads(c.to_json()))
+        cleanup.callback(writer.close)
+    engine_mesh = distributed.local_mesh(c.mesh.to_dict()) if distributed.multiprocess() else None
+    engine_model = distributed.engine_model(trainer, engine_mesh)  # every process joins the gather
+    if main:
+        engine = build_engine(c, engine_model, max_model_len, version)
+        cleanup.callback(engine.shutdown)
     if rng.get("engine") is not None and hasattr(engine, "set_rng_state"):
         engine.set_rng_state(rng["engine"])
     last, skipped_in_a_row, save_due, last_good = {}, 0, False, ckpt.latest_step()
     for step in range(start, c.train.total_steps):
-        # a fresh run's step 0 scores the policy it starts from (the baseline RL improves on); later
-        # evals score the policy after their step's update: `eval/version` says which
-        start_eval = evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version) if step == 0 and c.eval.every else {}
         t0 = time.perf_counter()
-        groups, metrics = april.collect(engine, version)
-        metrics.update(start_eval)
-        t1 = time.perf_counter()
-        if not groups:
+        groups, metrics, batch, shared = [], {}, None, {}
+        if engine is not None:  # process 0
+            # a fresh run's step 0 scores the policy it starts from (the baseline RL improves on); later
+            # evals score the policy after their step's update: `eval/version` says which
+            start_eval = evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version) if step == 0 and c.eval.every else {}
+            groups, metrics = april.collect(engine, version)
+            metrics.update(start_eval)
+            t1 = time.perf_counter()
+            if groups:
+                batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
+                shared["rewards_failed"] = all(s.metadata.get("reward_failed") for g in groups for s in g.samples)
+            engine.sleep()
+        else:
+            t1 = t0
+        batch, shared = distributed.broadcast_batch(batch, shared)  # the other processes wait here
+        if batch is None:
             raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
-        batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
-        engine.sleep()
-        rewards_failed = all(s.metadata.get("reward_failed") for g in groups for s in g.samples)
+        rewards_failed = shared["rewards_failed"]
         if rewards_failed:  # nothing to learn from: a broken reward function is not a zero reward
             trainer.skipped_steps += 1
             metrics.update({"train/skipped": 1.0, "train/skipped_steps": trainer.skipped_steps})
@@ -348,16 +361,19 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
         skipped = metrics["train/skipped"] > 0
         t2 = time.perf_counter()
         version += 1
-        engine.wake_up()
-        engine.update_weights(trainer.nnx_state() if c.rollout.engine != "sim" else None, version)
+        weights = distributed.engine_state(trainer, engine_mesh) if c.rollout.engine != "sim" else None
+        if engine is not None:
+            engine.wake_up()
+            engine.update_weights(weights, version)
         t3 = time.perf_counter()
         metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
                         "time/elapsed_s": t3 - started,  # since the run began: warm-up and compiles included
                         "version": version})
-        if c.eval.every and (step + 1) % c.eval.every == 0:
+        if c.eval.every and (step + 1) % c.eval.every == 0 and engine is not None:
             metrics.update(evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version))
-        with open(workdir / "delivered.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
+        if main:
+            with open(workdir / "delivered.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
         skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
         # A checkpoint is written only after a step that trained: a resume then redoes the skipped ones.
         save_due = save_due or (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps
@@ -372,7 +388,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
             metrics["time/ckpt_s"] = time.perf_counter() - t4
             save_due, last_good = False, step + 1
         metrics.update({"reward/failures": reward.failures, "reward/timeouts": reward.timeouts})  # eval's too
-        writer.write(step, metrics)
+        if writer is not None:
+            writer.write(step, metrics)
         last = metrics
         if skipped_in_a_row >= c.train.max_skipped_steps:
             why = ("every reward failed (an exception, NaN or a timeout)" if rewards_failed else

@@ -1,0 +1,226 @@
+"""Several JAX processes (one per host, or N on one machine): joining the job and the few
+collectives the training loop needs.
+
+The design (multi-controller JAX, one process per host): every process runs `train.py`; the
+mesh spans every process's devices and the policy update is one SPMD program that all of them
+run. **Process 0 owns the rollout**: it alone holds the rollout engine, the APRIL state, the data
+position, the reward workers and everything written to the workdir (metrics, logs,
+`delivered.jsonl`, TensorBoard/W&B, `config.json`). After each rollout it broadcasts the batch
+(exact bytes) and whether every reward failed; the other processes wait in that broadcast. Why
+not one engine per process: APRIL's decisions depend on when rewards come back (worker timing),
+so replicas would diverge; one owner keeps a single, checkpointed APRIL state.
+
+Weights to the engine: the trainer's parameters are sharded over all processes, so each sync
+gathers them one parameter at a time (a collective every process joins; peak memory one
+parameter) to host on process 0, which hands them to its engine once (jax engine: placed on a
+mesh of process 0's local devices; vLLM: sent to the servers once). In one process nothing
+changes: the engine reads the trainer's own sharded arrays.
+
+Checkpoints: orbax is called by every process (each writes the shards it holds; the JSON meta is
+written by process 0), so a checkpoint restores on any process count.
+
+Environment (the standard `jax.distributed` variables): JAX_COORDINATOR_ADDRESS (host:port of
+process 0), JAX_NUM_PROCESSES, JAX_PROCESS_ID; under SLURM (srun, SLURM_NTASKS > 1) JAX finds
+them itself. `python -m april_jax.launch --nprocs N` sets them for N local processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def requested() -> bool:
+    """True if the environment asks for a multi-process job."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or os.environ.get("SLURM_NTASKS", "1") != "1"
+
+
+def initialize() -> None:
+    """Join the job the environment describes (no-op for a single process). CPU devices talk
+    through gloo: XLA:CPU's default has no cross-process collectives."""
+    if not requested():
+        return
+    import jax
+
+    from april_jax.config import ConfigError
+
+    kw = {}
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        missing = [v for v in ENV_VARS[1:] if not os.environ.get(v)]
+        if missing:
+            raise ConfigError(f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not "
+                              f"(set all of {', '.join(ENV_VARS)}, or use python -m april_jax.launch)")
+        try:
+            kw = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                      process_id=int(os.environ["JAX_PROCESS_ID"]))
+        except ValueError:
+            raise ConfigError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']!r} and "
+                              f"JAX_PROCESS_ID={os.environ['JAX_PROCESS_ID']!r} must be integers") from None
+    platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
+    if platforms in ("", "cpu") and jax.config.jax_cpu_collectives_implementation in (None, "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kw)
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def is_main() -> bool:
+    """Process 0: the one that owns the rollout and writes to the workdir."""
+    return process_index() == 0
+
+
+def multiprocess() -> bool:
+    import jax
+
+    return jax.process_count() > 1
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (e.g. after process 0 wrote a file the others read)."""
+    if multiprocess():
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _broadcast_bytes(payload: bytes | None) -> bytes:
+    """Process 0's bytes on every process (others pass None). Sent as uint8, so what arrives is
+    bit-exact (a float broadcast by summing zeros would turn -0.0 into 0.0)."""
+    from jax.experimental import multihost_utils
+
+    size = np.array([len(payload) if is_main() else 0], np.int32)
+    size = int(multihost_utils.broadcast_one_to_all(size)[0])
+    buffer = np.frombuffer(payload, np.uint8) if is_main() else np.zeros(size, np.uint8)
+    return multihost_utils.broadcast_one_to_all(buffer).tobytes()
+
+
+def broadcast_batch(batch: dict | None, extra: dict | None = None) -> tuple[dict, dict]:
+    """(batch, extra) from process 0 on every process: `batch` maps names to numpy arrays (or
+    None), `extra` is JSON-able. One process: returned as given."""
+    if not multiprocess():
+        return batch, extra or {}
+    payload = None
+    if is_main():
+        arrays = {k: np.ascontiguousarray(v) for k, v in batch.items() if v is not None}
+        header = {"extra": extra or {}, "none": [k for k, v in batch.items() if v is None],
+                  "arrays": [[k, str(a.dtype), list(a.shape)] for k, a in arrays.items()]}
+        head = json.dumps(header).encode()
+        payload = len(head).to_bytes(8, "little") + head + b"".join(a.tobytes() for a in arrays.values())
+    data = _broadcast_bytes(payload)
+    n = int.from_bytes(data[:8], "little")
+    header, offset, out = json.loads(data[8:8 + n]), 8 + n, {}
+    for name, dtype, shape in header["arrays"]:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        out[name] = np.frombuffer(data, dtype, count=int(np.prod(shape, dtype=np.int64)), offset=offset).reshape(shape)
+        offset += size
+    out.update({k: None for k in header["none"]})
+    return out, header["extra"]
+
+
+def gather_to_main(tree):
+    """The pytree's arrays (sharded over every process) as numpy arrays on process 0, one leaf at
+    a time so that no device holds more than one whole parameter; None on the other processes.
+    Every process must call it (it is a collective)."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x in leaves:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            out.append(np.asarray(x) if is_main() else None)
+            continue
+        replicated = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+        full = _identity(replicated)(x)
+        out.append(np.asarray(full.addressable_data(0)) if is_main() else None)
+        del full
+    return jax.tree.unflatten(treedef, out) if is_main() else None
+
+
+_IDENTITIES: dict = {}
+
+
+def _identity(sharding):
+    import jax
+
+    if sharding not in _IDENTITIES:
+        _IDENTITIES[sharding] = jax.jit(lambda x: x, out_shardings=sharding)
+    return _IDENTITIES[sharding]
+
+
+def local_mesh(axes: dict):
+    """A mesh of this process's devices with the run's axes if they fit, else all on fsdp."""
+    import jax
+
+    from april_jax.models import sharding
+
+    try:
+        return sharding.make_mesh(axes, devices=jax.local_devices())
+    except ValueError:
+        return sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices=jax.local_devices())
+
+
+def engine_state(trainer, mesh):
+    """The trainer's parameters as an nnx.State the rollout engine can use.
+
+    One process: the trainer's own arrays (no copy). Several: gathered to process 0 and placed on
+    `mesh` (a mesh of process 0's devices, sharded by the same logical-axis rules); None on the
+    other processes. Every process must call it."""
+    if not multiprocess():
+        return trainer.nnx_state()
+    import jax
+    from flax import nnx
+
+    from april_jax.models.sharding import logical_sharding
+    from april_jax.rl.train_step import _nest
+
+    host = gather_to_main(trainer.params)
+    if not is_main():
+        return None
+    flat = nnx.to_flat_state(nnx.state(trainer.model(host)))
+    shardings = _nest({p: logical_sharding(v.get_metadata()["logical_axes"], v.get_value().shape, mesh)
+                       for p, v in flat})
+    return nnx.state(trainer.model(jax.device_put(host, shardings)))
+
+
+def engine_model(trainer, mesh):
+    """The model the rollout engine starts from (the trainer's own in one process; with several, a
+    copy on `mesh` on process 0, None on the others). Every process must call it."""
+    if not multiprocess():
+        return trainer.model()
+    from flax import nnx
+
+    state = engine_state(trainer, mesh)
+    if state is None:
+        return None
+    model = nnx.merge(trainer.graphdef, state)
+    model.mesh = mesh  # sharding constraints inside the model name this mesh, not the training one
+    return model
+
+
+def save_pretrained(model, path) -> None:
+    """`qwen3.save_pretrained` of a model sharded over every process: gathered, written by
+    process 0, and every process waits until the files are there. Every process must call it."""
+    from april_jax.models import qwen3
+
+    if not multiprocess():
+        qwen3.save_pretrained(model, path)
+        return
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    host = gather_to_main(nnx.to_pure_dict(state))
+    if is_main():
+        copy = jax.tree.map(lambda x: x, state)
+        nnx.replace_by_pure_dict(copy, host)
+        qwen3.save_pretrained(nnx.merge(graphdef, copy), path)
+    barrier(f"saved {path}")

@@ -1,0 +1,147 @@
+"""Multi-process JAX training (issue 19): configs/tiny.py as 2 processes x 4 CPU devices (gloo
+collectives, started by `python -m april_jax.launch`) against 1 process x 8 devices, the same
+mesh. Asserts identical metrics and checkpoints, a resume of the 2-process checkpoint in one
+process, that only process 0 writes the workdir's files, and the launcher's failure handling."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from april_jax.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 2
+ARGS = ["--config", str(ROOT / "configs/tiny.py"), "--config.warmup.steps=5", "--config.rollout.rollout_batch_size=4",
+        "--config.rollout.over_sampling_batch_size=8", "--config.rollout.n_samples_per_prompt=4",
+        "--config.rollout.max_num_seqs=32", "--config.train.micro_batch_size=16", "--config.eval.every=0",
+        "--config.log.progress=false", "--config.log.tensorboard=false", "--config.checkpoint.every=1"]
+
+
+def _env(devices: int) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+
+
+def _check(proc: subprocess.CompletedProcess, what: str) -> None:
+    if proc.returncode != 0:
+        raise AssertionError(f"{what} exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def run_one_process(workdir, steps: int = STEPS) -> None:
+    proc = subprocess.run([sys.executable, "-m", "april_jax.train", *ARGS, f"--config.workdir={workdir}",
+                           f"--config.train.total_steps={steps}"], capture_output=True, text=True, env=_env(8),
+                          cwd=ROOT, timeout=1200)
+    _check(proc, "1 process x 8 devices")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("two_processes")
+    logs = tmp_path_factory.mktemp("launch_logs")
+    proc = subprocess.run([sys.executable, "-m", "april_jax.launch", "--nprocs", "2", "--cpu-devices-per-process", "4",
+                           "--log-dir", str(logs), *ARGS, f"--config.workdir={workdir}",
+                           f"--config.train.total_steps={STEPS}"], capture_output=True, text=True, env=_env(1),
+                          cwd=ROOT, timeout=1200)
+    _check(proc, "2 processes x 4 devices")
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("one_process")
+    run_one_process(workdir)
+    return workdir
+
+
+def _timing(key: str) -> bool:
+    return key.startswith("time/") or key.endswith("_s") or key.endswith("_per_s")
+
+
+def restore_params(step_dir: Path) -> dict:
+    """A checkpoint's params as numpy arrays (placed on one device, whatever wrote them)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    meta = checkpointer.metadata(step_dir / "params")
+    tree = getattr(meta, "item_metadata", meta)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+    restored = checkpointer.restore(step_dir / "params", target)
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+
+
+def test_two_processes_match_one_process_metrics(two_processes, one_process):
+    two, one = read_metrics(two_processes), read_metrics(one_process)
+    assert [m["step"] for m in two] == [m["step"] for m in one] == list(range(STEPS))
+    for a, b in zip(two, one):
+        compared = sorted(k for k in a if not _timing(k))
+        assert compared == sorted(k for k in b if not _timing(k))
+        for key in ("reward/mean", "rollout/tokens", "rollout/generated_tokens", "train/loss", "train/grad_norm"):
+            assert key in compared
+        different = {k: (a[k], b[k]) for k in compared if a[k] != b[k]}
+        assert not different, f"step {a['step']}: {different}"
+    delivered = lambda w: (w / "delivered.jsonl").read_text()
+    assert delivered(two_processes) == delivered(one_process)
+
+
+def test_two_processes_match_one_process_checkpoints(two_processes, one_process):
+    for step in range(1, STEPS + 1):
+        a, b = restore_params(two_processes / "checkpoints" / str(step)), restore_params(one_process / "checkpoints" / str(step))
+        assert a.keys() == b.keys() and len(a) > 5
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"checkpoint {step}: {name}")
+        meta = lambda w: json.loads((w / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+        ma, mb = meta(two_processes), meta(one_process)
+        for m in (ma, mb):
+            m["config"].pop("workdir")
+        assert ma == mb
+
+
+def test_only_process_0_writes_the_workdir(two_processes):
+    lines = lambda name: (two_processes / name).read_text().splitlines()
+    assert [json.loads(l)["step"] for l in lines("metrics.jsonl")] == list(range(STEPS))
+    assert [json.loads(l)["step"] for l in lines("delivered.jsonl")] == list(range(STEPS))
+    assert json.loads((two_processes / "config.json").read_text())["workdir"] == str(two_processes)
+
+
+def test_two_process_checkpoint_resumes_in_one_process(two_processes, one_process, tmp_path):
+    """Checkpoint 1 of the 2-process run, resumed by one process, redoes step 1 exactly as both runs did."""
+    workdir = tmp_path / "resumed"
+    shutil.copytree(two_processes, workdir, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(workdir / "checkpoints" / str(STEPS))
+    run_one_process(workdir)
+    resumed = read_metrics(workdir)
+    assert [m["step"] for m in resumed] == list(range(STEPS))
+    want = read_metrics(one_process)[-1]
+    got = resumed[-1]
+    assert {k: v for k, v in got.items() if not _timing(k)} == {k: v for k, v in want.items() if not _timing(k)}
+    a, b = restore_params(workdir / "checkpoints" / str(STEPS)), restore_params(one_process / "checkpoints" / str(STEPS))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_launcher_stops_every_process_when_one_fails(tmp_path):
+    """Process 1 exits with 3 while process 0 hangs: the launcher stops process 0 and exits with 3."""
+    env = dict(os.environ, PROBE_DIR=str(tmp_path), PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.launch import launch; "
+                           "sys.exit(launch(2, ['--config.x=1'], cpu_devices=4, module='launch_probe'))"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert time.perf_counter() - t < 60
+    assert "process 1 exited with 3" in proc.stderr
+    pid0 = int((tmp_path / "pid_0").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid0, 0)
+    seen = json.loads((tmp_path / "env_1").read_text())
+    assert seen["JAX_NUM_PROCESSES"] == "2" and seen["JAX_PROCESS_ID"] == "1"
+    assert seen["JAX_COORDINATOR_ADDRESS"].startswith("127.0.0.1:")
+    assert seen["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=4")
+    assert seen["argv"] == ["--config.x=1"]
