@@ -107,6 +107,9 @@ class Rollout(RolloutConfig):
                                         "(no re-prefill)")
     free_kv_cache_in_train: bool = key(True, "jax engine: free its KV cache during train steps "
                                              "(verl's free_cache_engine)")
+    engine_devices: int = key(0, "jax engine: how many of process 0's devices it runs on (a copy of the weights, "
+                                 "refreshed at each sync); 0: all of them (one process: the trainer's own arrays)",
+                              ge=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -156,25 +156,34 @@ def _identity(sharding):
     return _IDENTITIES[sharding]
 
 
-def local_mesh(axes: dict):
-    """A mesh of this process's devices with the run's axes if they fit, else all on fsdp."""
+def engine_mesh(axes: dict, devices: int = 0):
+    """The mesh the rollout engine runs on, or None when it reads the trainer's own arrays (one
+    process, all devices). Several processes: process 0's local devices (the first `devices` of
+    them when > 0), with the run's mesh axes if they fit, else all on fsdp."""
     import jax
 
+    from april_jax.config import ConfigError
     from april_jax.models import sharding
 
+    local = jax.local_devices()
+    if devices > len(local):
+        raise ConfigError(f"config key 'rollout.engine_devices'={devices}: this process has only {len(local)} devices")
+    if not multiprocess() and devices in (0, len(local)):
+        return None
+    local = local[: devices or len(local)]
     try:
-        return sharding.make_mesh(axes, devices=jax.local_devices())
+        return sharding.make_mesh(axes, devices=local)
     except ValueError:
-        return sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices=jax.local_devices())
+        return sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices=local)
 
 
 def engine_state(trainer, mesh):
     """The trainer's parameters as an nnx.State the rollout engine can use.
 
-    One process: the trainer's own arrays (no copy). Several: gathered to process 0 and placed on
-    `mesh` (a mesh of process 0's devices, sharded by the same logical-axis rules); None on the
+    `mesh` None (one process): the trainer's own arrays (no copy). Else gathered to process 0 and
+    placed on `mesh` (process 0's devices, sharded by the same logical-axis rules); None on the
     other processes. Every process must call it."""
-    if not multiprocess():
+    if mesh is None:
         return trainer.nnx_state()
     import jax
     from flax import nnx
@@ -192,9 +201,9 @@ def engine_state(trainer, mesh):
 
 
 def engine_model(trainer, mesh):
-    """The model the rollout engine starts from (the trainer's own in one process; with several, a
-    copy on `mesh` on process 0, None on the others). Every process must call it."""
-    if not multiprocess():
+    """The model the rollout engine starts from: the trainer's own when `mesh` is None; else a copy
+    on `mesh` on process 0, None on the others. Every process must call it."""
+    if mesh is None:
         return trainer.model()
     from flax import nnx
 

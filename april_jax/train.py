@@ -325,7 +325,7 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
                                total_steps=c.train.total_steps, wandb_project=c.log.wandb_project,
                                wandb_mode=c.log.wandb_mode, config=json.loads(c.to_json()))
         cleanup.callback(writer.close)
-    engine_mesh = distributed.local_mesh(c.mesh.to_dict()) if distributed.multiprocess() else None
+    engine_mesh = distributed.engine_mesh(c.mesh.to_dict(), c.rollout.engine_devices if c.rollout.engine == "jax" else 0)
     engine_model = distributed.engine_model(trainer, engine_mesh)  # every process joins the gather
     if main:
         engine = build_engine(c, engine_model, max_model_len, version)

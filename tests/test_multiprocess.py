@@ -21,41 +21,37 @@ STEPS = 2
 ARGS = ["--config", str(ROOT / "configs/tiny.py"), "--config.warmup.steps=5", "--config.rollout.rollout_batch_size=4",
         "--config.rollout.over_sampling_batch_size=8", "--config.rollout.n_samples_per_prompt=4",
         "--config.rollout.max_num_seqs=32", "--config.train.micro_batch_size=16", "--config.eval.every=0",
-        "--config.log.progress=false", "--config.log.tensorboard=false", "--config.checkpoint.every=1"]
+        "--config.log.progress=false", "--config.log.tensorboard=false", "--config.checkpoint.every=1",
+        # the engine runs on 4 devices in both runs (process 0 has 4): its numerics depend on its mesh
+        "--config.rollout.engine_devices=4"]
 
 
-def _env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+def run_job(workdir, nprocs: int, devices: int, steps: int = STEPS, logs=None) -> None:
+    """`python -m april_jax.launch`: nprocs processes x devices CPU devices, one jax.distributed job.
 
-
-def _check(proc: subprocess.CompletedProcess, what: str) -> None:
+    The 1-process reference is a jax.distributed job too, so both use gloo collectives: XLA:CPU's
+    in-process collectives (a process without a distributed client) sum in another order (a
+    jitted sharded sum differed from gloo's by up to 1e-5), which would make every float differ."""
+    cmd = [sys.executable, "-m", "april_jax.launch", "--nprocs", str(nprocs), "--cpu-devices-per-process", str(devices),
+           *(["--log-dir", str(logs)] if logs else []), *ARGS, f"--config.workdir={workdir}",
+           f"--config.train.total_steps={steps}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
+                          timeout=1200)
     if proc.returncode != 0:
-        raise AssertionError(f"{what} exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-
-
-def run_one_process(workdir, steps: int = STEPS) -> None:
-    proc = subprocess.run([sys.executable, "-m", "april_jax.train", *ARGS, f"--config.workdir={workdir}",
-                           f"--config.train.total_steps={steps}"], capture_output=True, text=True, env=_env(8),
-                          cwd=ROOT, timeout=1200)
-    _check(proc, "1 process x 8 devices")
+        raise AssertionError(f"{nprocs} x {devices} exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("two_processes")
-    logs = tmp_path_factory.mktemp("launch_logs")
-    proc = subprocess.run([sys.executable, "-m", "april_jax.launch", "--nprocs", "2", "--cpu-devices-per-process", "4",
-                           "--log-dir", str(logs), *ARGS, f"--config.workdir={workdir}",
-                           f"--config.train.total_steps={STEPS}"], capture_output=True, text=True, env=_env(1),
-                          cwd=ROOT, timeout=1200)
-    _check(proc, "2 processes x 4 devices")
+    run_job(workdir, 2, 4, logs=tmp_path_factory.mktemp("launch_logs"))
     return workdir
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("one_process")
-    run_one_process(workdir)
+    run_job(workdir, 1, 8)
     return workdir
 
 
@@ -116,7 +112,7 @@ def test_two_process_checkpoint_resumes_in_one_process(two_processes, one_proces
     workdir = tmp_path / "resumed"
     shutil.copytree(two_processes, workdir, ignore=shutil.ignore_patterns(".lock"))
     shutil.rmtree(workdir / "checkpoints" / str(STEPS))
-    run_one_process(workdir)
+    run_job(workdir, 1, 8)
     resumed = read_metrics(workdir)
     assert [m["step"] for m in resumed] == list(range(STEPS))
     want = read_metrics(one_process)[-1]
