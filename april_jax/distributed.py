@@ -13,8 +13,9 @@ so replicas would diverge; one owner keeps a single, checkpointed APRIL state.
 Weights to the engine: the trainer's parameters are sharded over all processes, so each sync
 gathers them one parameter at a time (a collective every process joins; peak memory one
 parameter) to host on process 0, which hands them to its engine once (jax engine: placed on a
-mesh of process 0's local devices; vLLM: sent to the servers once). In one process nothing
-changes: the engine reads the trainer's own sharded arrays.
+mesh of process 0's local devices, or the first `rollout.engine_devices` of them; vLLM: sent to
+the servers once). In one process nothing changes: the engine reads the trainer's own sharded
+arrays (unless `rollout.engine_devices` asks for fewer devices: then a copy on those).
 
 Checkpoints: orbax is called by every process (each writes the shards it holds; the JSON meta is
 written by process 0), so a checkpoint restores on any process count.
