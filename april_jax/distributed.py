@@ -53,7 +53,7 @@ def initialize() -> None:
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         missing = [v for v in ENV_VARS[1:] if not os.environ.get(v)]
         if missing:
-            raise ConfigError(f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not "
+            raise ConfigError(f"JAX_COORDINATOR_ADDRESS is set but not {', '.join(missing)} "
                               f"(set all of {', '.join(ENV_VARS)}, or use python -m april_jax.launch)")
         try:
             kw = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
