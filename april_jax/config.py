@@ -36,6 +36,8 @@ class TinyModel:
     num_attention_heads: int = key(4, "query heads", gt=0)
     num_key_value_heads: int = key(2, "key/value heads (grouped-query attention)", gt=0)
     head_dim: int = key(16, "width of one attention head", gt=0)
+    rope_theta: float = key(1_000_000.0, "RoPE base (Qwen3's 1e6; a short-context task wants ~1e4, so that "
+                                         "positions a few tokens apart differ)", gt=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +143,8 @@ class Warmup:
                      ge=0)
     lr: float = key(3e-3, "peak learning rate of the warm-up (Adam, cosine)", ge=0, finite=True)
     batch_size: int = key(64, "examples per warm-up step", gt=0)
-    reverse_frac: float = key(1.0, "reverse task: share of reversed (rewarded) answers among the examples; the rest "
-                                   "copy the list", ge=0, le=1)
+    reverse_frac: float = key(1.0, "reverse task: share of exact reversals (paid in full) among the examples; the "
+                                   "rest end with a stray '=' before <eos>", ge=0, le=1)
 
 
 @dataclasses.dataclass(frozen=True)

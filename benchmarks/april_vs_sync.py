@@ -13,7 +13,12 @@ each a fresh `python -m april_jax.train` process in its own workdir under `--out
   every eval step (both modes evaluate at the same steps), its first -> last gain;
 - `seconds_to_reward`: `time/elapsed_s` when the 10-step moving average of the training reward
   first reaches `--reward-threshold` (null if never);
-- the load average (`/proc/loadavg`) before and after every run: timings on a shared machine drift.
+- the load average (`/proc/loadavg`) before and after every run, and the run's CPU seconds
+  (`cpu_s`, user + system of the training process): timings on a shared machine drift, CPU
+  seconds much less.
+
+`--reuse` summarizes runs already in `--out` (their `benchmark_run.json`) instead of training them
+again: seeds can be trained by separate invocations (in parallel) and summarized together.
 
 and writes a PNG (`--png`) of training reward and eval accuracy vs wall-clock seconds, both modes.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -48,19 +54,24 @@ def loadavg() -> str:
         return "unknown"
 
 
-def train(config: str, workdir: Path, overrides: list[str]) -> float:
-    """Runs one training process from scratch; returns its wall seconds."""
+def train(config: str, workdir: Path, overrides: list[str]) -> dict:
+    """Runs one training process from scratch; its wall and CPU seconds and the load around it
+    (also written to WORKDIR/benchmark_run.json, which `--reuse` reads)."""
     if workdir.exists():
         shutil.rmtree(workdir)
     cmd = [sys.executable, "-m", "april_jax.train", "--config", config, f"--config.workdir={workdir}",
            "--config.log.progress=false", "--config.log.tensorboard=false", *overrides]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t = time.perf_counter()
+    before = loadavg()
+    t, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t
+    wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         sys.exit(f"error: training failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
-    return wall
+    timing = {"wall_s": wall, "cpu_s": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime,
+              "loadavg_before": before, "loadavg_after": loadavg()}
+    (workdir / "benchmark_run.json").write_text(json.dumps(timing))
+    return timing
 
 
 def summarize(rows: list[dict], threshold: float) -> dict:
@@ -133,6 +144,7 @@ def main() -> None:
     ap.add_argument("--reward-threshold", type=float, default=0.7)
     ap.add_argument("--out", default="runs/april_vs_sync", help="workdirs of the runs")
     ap.add_argument("--png", default="benchmarks/april_vs_sync.png")
+    ap.add_argument("--reuse", action="store_true", help="summarize the finished runs in --out, train none")
     args, overrides = ap.parse_known_args()
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -145,11 +157,15 @@ def main() -> None:
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for mode, extra in (("april", []), ("sync", sync)):
-            before = loadavg()
-            wall = train(config, out / f"{mode}_seed{seed}", [*overrides, f"--config.seed={seed}", *extra])
-            rows = read_metrics(out / f"{mode}_seed{seed}")
-            run = {"mode": mode, "seed": seed, "wall_s": wall, **summarize(rows, args.reward_threshold),
-                   "loadavg_before": before, "loadavg_after": loadavg()}
+            workdir = out / f"{mode}_seed{seed}"
+            if args.reuse:
+                if not (workdir / "benchmark_run.json").exists():
+                    sys.exit(f"error: --reuse: {workdir} holds no finished run (no benchmark_run.json)")
+                timing = json.loads((workdir / "benchmark_run.json").read_text())
+            else:
+                timing = train(config, workdir, [*overrides, f"--config.seed={seed}", *extra])
+            rows = read_metrics(workdir)
+            run = {"mode": mode, "seed": seed, **timing, **summarize(rows, args.reward_threshold)}
             print(json.dumps(run), flush=True)
             runs.append({**run, "rows": rows})
 
@@ -164,6 +180,7 @@ def main() -> None:
         "config": args.config, "seeds": seeds, "overrides": overrides,
         "rollout_time_ratio": float(statistics.median(ratios)), "rollout_time_ratio_per_seed": ratios,
         "wall_s": {m: spread([by[m, s]["wall_s"] for s in seeds]) for m in ("april", "sync")},
+        "cpu_s": {m: spread([by[m, s]["cpu_s"] for s in seeds]) for m in ("april", "sync")},
         "median_rollout_s": {m: spread([by[m, s]["median_rollout_s"] for s in seeds]) for m in ("april", "sync")},
         "eval_last": {m: spread(final[m]) for m in ("april", "sync")},
         "eval_gain_per_seed": gains,

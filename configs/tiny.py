@@ -2,11 +2,12 @@
 
     python -m april_jax.train --config configs/tiny.py
 
-From scratch: a supervised warm-up (300 steps) teaches the answer format on lists that are mostly
-copied and only 35% reversed, so the warmed-up policy answers by copying (greedy exact-match
-accuracy ~0.1 on the reversal task). GRPO with APRIL then finds that only reversals are paid and
-makes them the greedy answer. List lengths are long-tailed (responses of 3-21 tokens, like
-reasoning responses), so a synchronous step waits for its longest; APRIL cuts that tail.
+From scratch: a supervised warm-up (300 steps) teaches the reversal with a habit: 65% of its
+answers end with a stray `=` before `<eos>`, so the warmed-up policy greedily adds it (greedy
+exact-match accuracy ~0) while a third of its samples are exact. GRPO with APRIL finds that only
+exact answers are paid in full and drops the habit within a few dozen steps, so greedy accuracy
+rises to the reversal skill of the warm-up. List lengths are long-tailed (responses of 3-22
+tokens, like reasoning responses), so a synchronous step waits for its longest; APRIL cuts that tail.
 """
 
 from april_jax.config import default_config
@@ -16,6 +17,7 @@ def get_config():
     c = default_config()
     c.workdir = "runs/tiny"
     c.model.arch = "tiny"
+    c.model.tiny.rope_theta = 10_000.0  # positions a few tokens apart must differ (reversal is positional)
     c.data.task = "reverse"
     c.data.max_prompt_len = 24
     c.reward.fn = "reverse"
@@ -35,9 +37,9 @@ def get_config():
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
     c.optimizer.lr = 1e-3
     c.optimizer.max_grad_norm = 1.0
-    c.train.total_steps = 200
+    c.train.total_steps = 50  # the habit is gone well before: a newcomer sees RL work in minutes
     c.train.micro_batch_size = 64
-    c.checkpoint.every = 20
+    c.checkpoint.every = 25
     c.eval.every = 10
     c.eval.num_prompts = 64
     c.eval.n_samples = 2

@@ -39,19 +39,20 @@ def test_reward_counts_positions_and_length():
     assert reverse.reward(ids(3, 2, 1, 1) + [reverse.EOS], answer) == 3 / 5  # an extra token counts as wrong
 
 
-def test_warmup_examples_mix_copies_and_reversals():
+def test_warmup_examples_reverse_every_list_and_most_end_with_a_stray_token():
     examples = reverse.sft_examples(seed=0, n=2000, reverse_frac=0.35)
-    kinds = []
+    exact = []
     for prompt, answer in examples:
         digits = [t - reverse.DIGIT0 for t in prompt[2:-1]]
-        assert prompt == reverse.encode_prompt(digits) and answer[-1] == reverse.EOS
-        is_rev, is_copy = answer == reverse.answer_ids(digits), answer == reverse.copy_ids(digits)
-        assert is_rev or is_copy
-        if is_rev != is_copy:  # palindromes are both
-            kinds.append(is_rev)
-    assert 0.31 < np.mean(kinds) < 0.39
+        assert prompt == reverse.encode_prompt(digits)
+        exact_ids = reverse.answer_ids(digits)
+        assert answer in (exact_ids, exact_ids[:-1] + [reverse.EQ, reverse.EOS])
+        exact.append(answer == exact_ids)
+        # the habit is paid n / (n + 2): the digits are right, the stray '=' and the late <eos> are not
+        assert reverse.reward(reverse.stray_ids(digits), " ".join(map(str, digits[::-1]))) == len(digits) / (len(digits) + 2)
+    assert 0.31 < np.mean(exact) < 0.39
     assert all(a == reverse.answer_ids([t - reverse.DIGIT0 for t in p[2:-1]])
-               for p, a in reverse.sft_examples(seed=0, n=200))  # default: reversals only
+               for p, a in reverse.sft_examples(seed=0, n=200))  # default: exact reversals only
 
 
 def run_train(workdir, *extra):

@@ -6,10 +6,13 @@ seed's distribution (60% short, 25% medium, 15% long): 2-5, 6-10, 11-20 digits, 
 tokens; the reward is the fraction of answer positions right (an exact answer scores 1; every
 missing or extra token counts as wrong).
 
-The supervised warm-up (`sft_examples`) shows the answer format with two rules: most examples
-copy the list, a minority (`reverse_frac`) reverse it. The warmed-up model answers by copying
-when greedy, but samples reversals often enough for GRPO to see that only they are paid, so RL,
-not the warm-up, makes the greedy answer the reversal (exact-match accuracy rises from ~0.1).
+The supervised warm-up (`sft_examples`) teaches the reversal on every example, with a habit: most
+answers (all but `reverse_frac`) end with a stray `=` before `<eos>`, which is never exact (it
+scores n / (n + 2)). The warmed-up model reverses well but greedily adds the stray token
+(exact-match accuracy ~0), while about a third of its samples stop right: pass@8 is high and
+pass@1 low, which is what RL converts quickly. GRPO finds that only exact answers are paid in
+full and drops the habit, so greedy accuracy rises towards the reversal skill the warm-up gave
+(most short and medium lists, few long ones).
 """
 
 from __future__ import annotations
@@ -84,16 +87,18 @@ def reward(response_ids, answer: str) -> float:
     return right / max(len(got), len(target))
 
 
-def copy_ids(digits: list[int]) -> list[int]:
-    return [DIGIT0 + d for d in digits] + [EOS]
+def stray_ids(digits: list[int]) -> list[int]:
+    """The warm-up's habit, not paid in full: the reversal with a stray `=` before `<eos>`."""
+    return answer_ids(digits)[:-1] + [EQ, EOS]
 
 
 def sft_examples(seed: int, n: int, reverse_frac: float = 1.0) -> list[tuple[list[int], list[int]]]:
-    """(prompt, answer) pairs: a `reverse_frac` share reversed (the rewarded rule), the rest copied."""
+    """(prompt, answer) pairs, all reversals: a `reverse_frac` share exact (the rewarded answer),
+    the rest with a stray `=` before `<eos>`."""
     rng = np.random.default_rng([seed, 7])
     out = []
     for _ in range(n):
         digits = sample_digits(rng)
-        answer = answer_ids(digits) if rng.random() < reverse_frac else copy_ids(digits)
+        answer = answer_ids(digits) if rng.random() < reverse_frac else stray_ids(digits)
         out.append((encode_prompt(digits), answer))
     return out
