@@ -5,7 +5,7 @@
 From scratch: a supervised warm-up (300 steps) teaches the reversal with a habit: 65% of its
 answers end with a stray `=` before `<eos>`, so the warmed-up policy greedily adds it (greedy
 exact-match accuracy ~0) while a third of its samples are exact. GRPO with APRIL finds that only
-exact answers are paid in full and drops the habit within a few dozen steps, so greedy accuracy
+exact answers are paid in full and drops the habit within 10-30 steps, so greedy accuracy
 rises to the reversal skill of the warm-up. List lengths are long-tailed (responses of 3-22
 tokens, like reasoning responses), so a synchronous step waits for its longest; APRIL cuts that tail.
 """
@@ -37,9 +37,9 @@ def get_config():
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
     c.optimizer.lr = 1e-3
     c.optimizer.max_grad_norm = 1.0
-    c.train.total_steps = 50  # the habit is gone well before: a newcomer sees RL work in minutes
+    c.train.total_steps = 30  # greedy accuracy peaks at steps 20-30; later, lr 1e-3 erodes it (RESULTS.md)
     c.train.micro_batch_size = 64
-    c.checkpoint.every = 25
+    c.checkpoint.every = 15
     c.eval.every = 10
     c.eval.num_prompts = 64
     c.eval.n_samples = 2
