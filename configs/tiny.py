@@ -4,7 +4,7 @@
 
 From scratch: a supervised warm-up (300 steps) teaches the reversal with a habit: 65% of its
 answers end with a stray `=` before `<eos>`, so the warmed-up policy greedily adds it (greedy
-exact-match accuracy ~0) while a third of its samples are exact. GRPO with APRIL finds that only
+exact-match accuracy ~0) while some samples stop right (35% of the warm-up's answers did). GRPO with APRIL finds that only
 exact answers are paid in full and drops the habit within 10-30 steps, so greedy accuracy
 rises to the reversal skill of the warm-up. List lengths are long-tailed (responses of 3-22
 tokens, like reasoning responses), so a synchronous step waits for its longest; APRIL cuts that tail.

@@ -9,8 +9,8 @@ missing or extra token counts as wrong).
 The supervised warm-up (`sft_examples`) teaches the reversal on every example, with a habit: most
 answers (all but `reverse_frac`) end with a stray `=` before `<eos>`, which is never exact (it
 scores n / (n + 2)). The warmed-up model reverses well but greedily adds the stray token
-(exact-match accuracy ~0), while about a third of its samples stop right: pass@8 is high and
-pass@1 low, which is what RL converts quickly. GRPO finds that only exact answers are paid in
+(exact-match accuracy ~0), while some of its samples stop right (35% of the examples did): pass@k
+above pass@1, which is what RL converts quickly. GRPO finds that only exact answers are paid in
 full and drops the habit, so greedy accuracy rises towards the reversal skill the warm-up gave
 (most short and medium lists, few long ones).
 """
