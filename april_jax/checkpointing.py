@@ -15,13 +15,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from april_jax import distributed
+from april_jax.errors import CheckpointError
 
 # What the trainer and `ckpt` read from a checkpoint's meta.
 META_KEYS = ("step", "version", "skipped_steps", "data", "april", "model_config")
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 def _abstract(tree, shardings=None):

@@ -13,8 +13,8 @@ import math
 import sys
 from pathlib import Path
 
-from april_jax.checkpointing import CheckpointError, read_meta, resolve_step_dir
-from april_jax.models.safetensors_io import CheckpointError as WeightsError
+from april_jax.checkpointing import read_meta, resolve_step_dir
+from april_jax.errors import CheckpointError
 
 
 def describe(path) -> dict:
@@ -61,7 +61,7 @@ def export_hf(path, out, force: bool = False) -> None:
     import jax
     from flax import nnx
 
-    from april_jax.models import qwen3
+    from april_jax.models import hf, qwen3
 
     step_dir = resolve_step_dir(path)
     meta = read_meta(step_dir)
@@ -76,7 +76,7 @@ def export_hf(path, out, force: bool = False) -> None:
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     params = ocp.StandardCheckpointer().restore(step_dir / "params", target)
     nnx.replace_by_pure_dict(state, params)
-    qwen3.save_pretrained(nnx.merge(graphdef, state), out)
+    hf.save_pretrained(nnx.merge(graphdef, state), out)
     write_tokenizer(tokenizer_dir, out)
 
 
@@ -161,7 +161,7 @@ def main(argv=None) -> None:
         else:
             export_hf(args.path, args.out, force=args.force)
             print(f"wrote {args.out}")
-    except (CheckpointError, WeightsError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
+    except (CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2)
 

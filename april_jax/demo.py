@@ -11,7 +11,7 @@ import time
 
 from april_jax import assets
 from april_jax.data.tokenizer import ChatTokenizer
-from april_jax.models import qwen3
+from april_jax.models import hf
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
 
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> None:
     questions = argv or ["What is the capital of France?", "What is 12 + 30?"]
     path = assets.smollm2_135m_instruct()
     t = time.perf_counter()
-    model = qwen3.from_pretrained(path)
+    model = hf.from_pretrained(path)
     print(f"loaded {path} ({model.cfg.num_params / 1e6:.0f}M params) in {time.perf_counter() - t:.1f}s")
     tok = ChatTokenizer(path)
     prompts = [tok.encode_prompt(q) for q in questions]

@@ -217,12 +217,12 @@ def engine_model(trainer, mesh):
 
 
 def save_pretrained(model, path) -> None:
-    """`qwen3.save_pretrained` of a model sharded over every process: gathered, written by
+    """`hf.save_pretrained` of a model sharded over every process: gathered, written by
     process 0, and every process waits until the files are there. Every process must call it."""
-    from april_jax.models import qwen3
+    from april_jax.models import hf
 
     if not multiprocess():
-        qwen3.save_pretrained(model, path)
+        hf.save_pretrained(model, path)
         return
     import jax
     from flax import nnx
@@ -232,5 +232,5 @@ def save_pretrained(model, path) -> None:
     if is_main():
         copy = jax.tree.map(lambda x: x, state)
         nnx.replace_by_pure_dict(copy, host)
-        qwen3.save_pretrained(nnx.merge(graphdef, copy), path)
+        hf.save_pretrained(nnx.merge(graphdef, copy), path)
     barrier(f"saved {path}")

@@ -20,6 +20,7 @@ import numpy as np
 from april_jax import config as config_lib
 from april_jax import distributed
 from april_jax.config import ConfigError, fail
+from april_jax.rollout.engine import EngineProtocol
 from april_jax.task import Task, build_task
 
 
@@ -70,13 +71,13 @@ def load_config(argv: list[str]):
 
 
 def build_model(c, mesh, vocab_size):
-    from april_jax.models import qwen3
+    from april_jax.models import hf, qwen3
 
     dtype = qwen3.as_dtype(c.model.dtype)
     compute = qwen3.as_dtype(c.model.compute_dtype)
     choices = dict(remat=c.model.remat, attention_impl=c.model.attention_impl)
     if c.model.path:
-        return qwen3.from_pretrained(c.model.path, dtype=dtype, compute_dtype=compute, mesh=mesh, **choices)
+        return hf.from_pretrained(c.model.path, dtype=dtype, compute_dtype=compute, mesh=mesh, **choices)
     if c.model.arch == "tiny":
         cfg = qwen3.Qwen3Config(vocab_size=vocab_size or 1024, param_dtype=dtype, dtype=compute,
                                 max_position_embeddings=4096, **choices, **c.model.tiny.to_dict())
@@ -93,7 +94,7 @@ def build_reference(c, mesh, model, workdir: Path, fresh: bool):
     loss.ref_path if set; else the initial policy. After a supervised warm-up the initial policy
     cannot be rebuilt from the config on resume, so a fresh run saves it to WORKDIR/reference.
     """
-    from april_jax.models import qwen3
+    from april_jax.models import hf, qwen3
 
     if not c.loss.kl_coef:
         return None
@@ -105,12 +106,12 @@ def build_reference(c, mesh, model, workdir: Path, fresh: bool):
             return None
     if not path:
         return None
-    return qwen3.from_pretrained(path, dtype=qwen3.as_dtype(c.model.dtype), mesh=mesh,
+    return hf.from_pretrained(path, dtype=qwen3.as_dtype(c.model.dtype), mesh=mesh,
                                  compute_dtype=qwen3.as_dtype(c.model.compute_dtype), remat=c.model.remat,
                                  attention_impl=c.model.attention_impl)
 
 
-def build_engine(c, model, max_model_len: int, version: int):
+def build_engine(c, model, max_model_len: int, version: int) -> EngineProtocol:
     if c.rollout.engine == "jax":
         from april_jax.rollout.jax_engine import JaxEngine
 
@@ -182,7 +183,7 @@ class TrainingError(RuntimeError):
 
 def check_vocab(c, task_vocab: int | None) -> None:
     """Token ids past the model's embedding would be clamped silently: compare the sizes up front."""
-    from april_jax.models import qwen3
+    from april_jax.models import hf, qwen3
 
     if task_vocab is None or (not c.model.path and c.model.arch == "tiny"):
         return  # the tiny model is sized to the task's vocabulary
@@ -330,8 +331,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
     if main:
         engine = build_engine(c, engine_model, max_model_len, version)
         cleanup.callback(engine.shutdown)
-    if rng.get("engine") is not None and hasattr(engine, "set_rng_state"):
-        engine.set_rng_state(rng["engine"])
+    if engine is not None:
+        engine.set_rng_state(rng.get("engine"))
     last, skipped_in_a_row, save_due, last_good = {}, 0, False, ckpt.latest_step()
     for step in range(start, c.train.total_steps):
         t0 = time.perf_counter()
@@ -361,7 +362,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
         skipped = metrics["train/skipped"] > 0
         t2 = time.perf_counter()
         version += 1
-        weights = distributed.engine_state(trainer, engine_mesh) if c.rollout.engine != "sim" else None
+        # the simulated engine has no model: the trainer's own state (no copy), not a gather to process 0
+        weights = distributed.engine_state(trainer, engine_mesh) if c.rollout.engine != "sim" else trainer.nnx_state()
         if engine is not None:
             engine.wake_up()
             engine.update_weights(weights, version)
@@ -379,7 +381,7 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
         save_due = save_due or (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps
         if save_due and not skipped:
             t4 = time.perf_counter()
-            rng = {"engine": engine.rng_state() if hasattr(engine, "rng_state") else None,
+            rng = {"engine": engine.rng_state() if engine is not None else None,  # None: not process 0
                    "reward_failures": reward.failures, "reward_timeouts": reward.timeouts}
             meta = {"step": step + 1, "version": version, "skipped_steps": trainer.skipped_steps,
                     "data": train_prompts.state_dict(), "april": april.state_dict(), "rng": rng,
@@ -437,12 +439,11 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         fail(str(e))
     except (FileNotFoundError, ValueError, TrainingError) as e:
-        from april_jax.checkpointing import CheckpointError
         from april_jax.data.dataset import DataError
         from april_jax.data.tokenizer import TokenizerError
-        from april_jax.models.safetensors_io import CheckpointError as WeightsError
+        from april_jax.errors import CheckpointError
 
-        if isinstance(e, (DataError, CheckpointError, WeightsError, TokenizerError, FileNotFoundError, TrainingError)):
+        if isinstance(e, (DataError, CheckpointError, TokenizerError, FileNotFoundError, TrainingError)):
             fail(str(e))
         raise
 

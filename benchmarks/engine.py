@@ -25,7 +25,7 @@ import torch
 from flax import nnx
 import transformers
 
-from april_jax.models import qwen3
+from april_jax.models import hf, qwen3
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
 from common import CONFIG_40M, timed
@@ -56,10 +56,10 @@ def decode_step_seconds(model, slots, busy, context, compact=True, steps=16):
     engine.submit([Request(str(i), rng.randint(1, CONFIG_40M.vocab_size, context).tolist(), steps + 16,
                            SamplingParams(temperature=0.0)) for i in range(busy)])
     engine.step()  # prefill + the first decode call (compiles)
-    s0, t = engine.stats()["decode_steps"], time.perf_counter()
-    while engine.stats()["decode_steps"] - s0 < steps:
+    s0, t = engine.stats().decode_steps, time.perf_counter()
+    while engine.stats().decode_steps - s0 < steps:
         engine.step()
-    return (time.perf_counter() - t) / (engine.stats()["decode_steps"] - s0)
+    return (time.perf_counter() - t) / (engine.stats().decode_steps - s0)
 
 
 def busy_step_costs(model, slots, busy, context):
@@ -121,8 +121,8 @@ def main():
     rows = []
     tmp_dir = tempfile.TemporaryDirectory()
     tmp = tmp_dir.name
-    qwen3.save_pretrained(qwen3.init_model(CONFIG_40M, seed=0), tmp)
-    model = qwen3.from_pretrained(tmp, dtype=qwen3.as_dtype(args.dtype))
+    hf.save_pretrained(qwen3.init_model(CONFIG_40M, seed=0), tmp)
+    model = hf.from_pretrained(tmp, dtype=qwen3.as_dtype(args.dtype))
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, args.dtype)).eval()
     rng = np.random.RandomState(0)
     batches = [int(b) for b in args.batches.split(",")]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from april_jax.models import qwen3
+from april_jax.models import hf, qwen3
 from common import CONFIG_40M, timed
 
 
@@ -25,9 +25,9 @@ def main():
     args = parser.parse_args()
     cfg = CONFIG_40M
     with tempfile.TemporaryDirectory() as tmp:
-        qwen3.save_pretrained(qwen3.init_model(cfg, seed=0), tmp)
+        hf.save_pretrained(qwen3.init_model(cfg, seed=0), tmp)
         t = time.perf_counter()
-        model = qwen3.from_pretrained(tmp)
+        model = hf.from_pretrained(tmp)
         jax.block_until_ready(nnx.state(model))
         load_s = time.perf_counter() - t
 

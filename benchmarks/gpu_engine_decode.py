@@ -80,7 +80,7 @@ def measure(model, batch: int, args, bandwidth: float) -> dict:
             "step_ms": round(1e3 * batch / decode_tps, 3), "weight_bytes": w_bytes,
             "kv_bytes_per_token": kv_per_token, "mean_context": context, "max_model_len": max_len,
             "cache_dtype": str(np.dtype(engine._cache_dtype)), "t_short_s": round(t_short, 4),
-            "t_long_s": round(t_long, 4), "warmup_s": round(warm_s, 2), "decode_calls": stats["decode_calls"]}
+            "t_long_s": round(t_long, 4), "warmup_s": round(warm_s, 2), "decode_calls": stats.decode_calls}
 
 
 def main():

@@ -30,11 +30,11 @@ import json
 
 import numpy as np
 
+from april_jax.data.types import PromptRecord
 from april_jax.rollout.april import April, RolloutConfig
 from april_jax.rollout import cost_model
 from april_jax.rollout.sim_engine import draw_length
 from april_jax.rollout.sim_replicas import SimReplicas
-from april_jax.rollout.types import PromptRecord
 
 
 def prompts(seed: int, length: int, vocab: int = 1000):
@@ -47,8 +47,9 @@ class LengthBudgetEngine:
     """Wraps the JAX engine: each request's max_new_tokens is cut to its drawn remaining length, so a
     random-weight model produces the seed's long tail; finishing there is reported as a stop."""
 
-    def __init__(self, engine, seed: int, scale: float):
+    def __init__(self, engine, seed: int, scale: float, params):
         self.engine, self.seed, self.scale = engine, seed, scale
+        self.params = params  # what each weight sync pushes: the model's own weights, unchanged
         self.progress: dict[str, int] = {}
         self.budget: dict[str, tuple[str, int]] = {}
 
@@ -100,11 +101,14 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
     from april_jax.rollout.jax_engine import JaxEngine
 
-    engine = JaxEngine(qwen3.init_model(cfg, seed=seed), max_num_seqs=slots, max_model_len=prompt_len + max_response_len + 1,
+    model = qwen3.init_model(cfg, seed=seed)
+    engine = JaxEngine(model, max_num_seqs=slots, max_model_len=prompt_len + max_response_len + 1,
                        seed=seed, min_prefill_batch=min_prefill_batch, reuse_aborted_kv=reuse_aborted_kv,
                        samples_per_prompt=8, decode_steps_per_call=steps_per_call)
     engine.warmup(modes=("sample",))
-    return LengthBudgetEngine(engine, seed, length_scale)
+    from flax import nnx
+
+    return LengthBudgetEngine(engine, seed, length_scale, nnx.state(model))
 
 
 def rollout_config(mode: str, args) -> RolloutConfig:
@@ -127,7 +131,7 @@ def run(mode: str, args) -> dict:
     delivered_tokens = on_policy = weight = 0.0
     useful = useful_ctx = 0
     prompt_lens, lengths = [], []
-    steps = []
+    steps, timeline = [], []
     windows = []  # per response with tokens in the window: tokens, sum sqrt(context), context sum, first, last step
     # the staleness a delivered response can have: its tokens come from the steps [d - cap, d]
     cap = cfg.max_staleness if cfg.partial_rollout else 0
@@ -149,8 +153,11 @@ def run(mode: str, args) -> dict:
             start, s_start = engine.now(), engine.stats()
         groups, m = april.collect(engine, version=step)
         assert len(groups) == 32 and all(len(g.samples) == 8 for g in groups)
-        engine.update_weights(None, step + 1)
+        # the simulated engine has no model: its syncs cost what the cost model says
+        engine.update_weights(engine.params if args.engine == "jax" else None, step + 1)
         steps.append(m)
+        timeline += engine.timeline  # the engine keeps only its latest points: drain them every step
+        engine.timeline.clear()
         if step >= w:
             delivered_tokens += m["rollout/tokens"]
             for g in groups:
@@ -176,7 +183,7 @@ def run(mode: str, args) -> dict:
            "occupancy": float(np.mean([m["rollout/occupancy"] for m in window])),
            "on_policy_token_frac": on_policy / delivered_tokens, "mean_loss_weight": weight / delivered_tokens,
            "delivered_len_mean": float(np.mean(lengths)), "staleness_max": max(m["rollout/staleness_max"] for m in steps),
-           "timeline": list(engine.timeline), "steps": steps}
+           "timeline": timeline, "steps": steps}
     out["tokens_per_s"] = out["delivered_tokens_per_s"]
     if args.engine == "sim":
         # Tokens generated in the window and delivered, or still in the buffer at its end: the
@@ -194,9 +201,9 @@ def run(mode: str, args) -> dict:
                 tokens=cols[0], sqrt_ctx=cols[1], ctx=cols[2], first=cols[3].astype(int), last=cols[4].astype(int),
                 steps=args.steps - w))
         out.update(limit_tokens_per_s=useful / bound, free_limit_tokens_per_s=useful / free, time_s=time,
-                   prefill_time_frac=(s_end["prefill_time_s"] - s_start["prefill_time_s"]) / (replicas * time),
-                   kv_bytes_peak=s_end["kv_bytes_peak"], kv_bytes_budget=engine.cost.kv_budget_bytes,
-                   preempted=s_end["preempted"] - s_start["preempted"])
+                   prefill_time_frac=(s_end.prefill_time_s - s_start.prefill_time_s) / (replicas * time),
+                   kv_bytes_peak=s_end.kv_bytes_peak, kv_bytes_budget=engine.cost.kv_budget_bytes,
+                   preempted=s_end.preempted - s_start.preempted)
     return out
 
 
@@ -335,11 +342,11 @@ def measure_jax_limit(args) -> float:
     n = args.max_response_len
     reqs = lambda tag: [Request(f"{tag}{i}", list(range(1, args.prompt_len + 1)), n, SamplingParams(1.0, seed=i)) for i in range(args.slots)]
     engine.generate(reqs("warm"))
-    t0, before = engine.now(), engine.stats()["tokens_generated"]
+    t0, before = engine.now(), engine.stats().tokens_generated
     engine.submit(reqs("run"))
     for _ in range(n // 2):  # decode-only window: all slots busy
         engine.step()
-    rate = (engine.stats()["tokens_generated"] - before - args.slots) / (engine.now() - t0)
+    rate = (engine.stats().tokens_generated - before - args.slots) / (engine.now() - t0)
     engine.abort_all()
     return rate
 

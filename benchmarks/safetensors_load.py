@@ -3,7 +3,7 @@ now) vs the hand-written numpy-memmap reader it replaced (issue 17), back to bac
 
     python benchmarks/safetensors_load.py [--reps 3]
 
-Prints JSON: seconds per full `qwen3.from_pretrained` of SmolLM2-135M-Instruct (fp32 params) with
+Prints JSON: seconds per full `hf.from_pretrained` of SmolLM2-135M-Instruct (fp32 params) with
 each reader, best of --reps, alternating A/B so machine noise hits both.
 """
 
@@ -67,7 +67,7 @@ def main() -> None:
         for name, reader in readers.items():
             hf.SafetensorsDir = reader
             t = time.perf_counter()
-            model = hf.load_pretrained(path)
+            model = hf.from_pretrained(path)
             times[name].append(time.perf_counter() - t)
             del model
     hf.SafetensorsDir = readers["safe_open"]

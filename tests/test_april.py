@@ -7,13 +7,14 @@ import json
 import numpy as np
 import pytest
 
+from april_jax.data.types import PromptRecord
 from april_jax.models import qwen3
 from april_jax.rollout.april import April, RolloutConfig
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout import cost_model
 from april_jax.rollout.sim_engine import SimEngine, draw_length
 from april_jax.rollout.sim_replicas import SimReplicas
-from april_jax.rollout.types import PromptRecord, Request, SamplingParams
+from april_jax.rollout.types import Request, SamplingParams
 
 
 def prompt_stream(prefix="p", length=8, vocab=500, seed=0):
@@ -86,8 +87,8 @@ def test_invariants_on_roofline_replicas_with_a_tight_kv_budget(reuse):
     april, engine, delivered = run_steps(cfg, 10, engine=engine)
     check_invariants(cfg, april, delivered)
     stats = engine.stats()
-    assert stats["preempted"] > 0 and stats["kv_tokens_peak"] <= cost.kv_budget_tokens
-    assert stats["kv_reused"] > 0 if reuse else stats["kv_reused"] == 0
+    assert stats.preempted > 0 and stats.kv_tokens_peak <= cost.kv_budget_tokens
+    assert stats.kv_reused > 0 if reuse else stats.kv_reused == 0
     assert_bounds_hold(cost, cfg, delivered, engine, replicas=2, slots=16)
 
 
@@ -171,7 +172,7 @@ def test_inflight_auto_sizes_requests_by_the_staleness_cap_and_the_kv_budget(max
         engine.update_weights(None, step + 1)
     assert max(peaks) > 0
     check_invariants(cfg, april, delivered)
-    assert engine.stats()["kv_tokens_peak"] <= cost.kv_budget_tokens
+    assert engine.stats().kv_tokens_peak <= cost.kv_budget_tokens
     assert_bounds_hold(cost, cfg, delivered, engine, replicas=2, slots=64)
 
 
@@ -185,7 +186,7 @@ def test_member_refill_keeps_the_engine_full_where_group_counting_drains_it():
         april, engine, delivered = run_steps(cfg, 8, slots=64, length_scale=1 / 16)
         check_invariants(cfg, april, delivered)
         stats = engine.stats()
-        busy[refill] = stats["busy_slot_steps"] / stats["decode_steps"]
+        busy[refill] = stats.busy_slot_steps / stats.decode_steps
     assert busy["members"] > 1.5 * busy["groups"]
 
 

@@ -4,23 +4,18 @@ full-batch path, separate prefills, and transformers greedy."""
 
 import numpy as np
 import pytest
-import torch
 
-from april_jax.models import qwen3
 from april_jax.rollout import engine_steps
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
-from hf_utils import save_tiny
+from engine_utils import GREEDY, tiny_reference_and_model, transformers_greedy
 
-GREEDY = SamplingParams(temperature=0.0)
 SLOTS, MAX_LEN = 16, 160
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("compact")
-    ref = save_tiny(path, vocab_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    return ref, qwen3.from_pretrained(path)
+    return tiny_reference_and_model(tmp_path_factory.mktemp("compact"))
 
 
 @pytest.fixture(scope="module")
@@ -57,21 +52,17 @@ def test_compacted_decode_equals_the_full_batch_path(compact_and_full, workload)
         assert (c.token_ids, c.finish_reason) == (f.token_ids, f.finish_reason), r.request_id
         np.testing.assert_allclose(c.logprobs, f.logprobs, atol=1e-5)
         assert len(c.token_ids) == r.max_new_tokens
-    assert compact_stats["tokens_generated"] == full_stats["tokens_generated"]
+    assert compact_stats.tokens_generated == full_stats.tokens_generated
     # The same work, computed over far fewer slot-steps (the tail runs with a few busy slots).
-    assert compact_stats["computed_slot_steps"] < 0.8 * full_stats["computed_slot_steps"]
-    assert full_stats["computed_slot_steps"] == full_stats["decode_steps"] * SLOTS
+    assert compact_stats.computed_slot_steps < 0.8 * full_stats.computed_slot_steps
+    assert full_stats.computed_slot_steps == full_stats.decode_steps * SLOTS
 
 
 def test_compacted_greedy_decode_matches_transformers(tiny, compact_and_full, workload):
     ref, _ = tiny
     (compact, _), _, _ = compact_and_full
     for r in workload[::2][:6]:
-        ids = torch.tensor([list(r.prompt_ids)])
-        with torch.no_grad():
-            hf = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens,
-                              min_new_tokens=r.max_new_tokens, do_sample=False, pad_token_id=0)
-        assert compact[r.request_id].token_ids == hf[0, ids.shape[1]:].tolist(), r.request_id
+        assert compact[r.request_id].token_ids == transformers_greedy(ref, r.prompt_ids, r.max_new_tokens), r.request_id
 
 
 def test_bucketed_batches_compile_once_per_bucket(tiny, compact_and_full, workload):
@@ -119,8 +110,8 @@ def test_resumed_members_share_one_prompt_prefill(tiny, resumed_groups):
         assert shared[rid].token_ids == separate[rid].token_ids, rid
         np.testing.assert_allclose(shared[rid].logprobs, separate[rid].logprobs, atol=1e-5)
     partial_tokens = sum(cut.values())
-    assert shared_stats["prefill_tokens"] == sum(map(len, prompts)) + partial_tokens
-    assert separate_stats["prefill_tokens"] == 4 * sum(map(len, prompts)) + partial_tokens
+    assert shared_stats.prefill_tokens == sum(map(len, prompts)) + partial_tokens
+    assert separate_stats.prefill_tokens == 4 * sum(map(len, prompts)) + partial_tokens
 
 
 def test_greedy_resume_from_a_shared_prefix_continues_the_uninterrupted_run(tiny, resumed_groups):

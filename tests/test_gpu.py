@@ -206,7 +206,7 @@ def test_engine_sleep_frees_the_kv_cache_on_gpu():
     engine = JaxEngine(model, max_num_seqs=32, max_model_len=2048)
     request = lambda tag: [Request(tag, [1, 2, 3], 8, SamplingParams(temperature=0.0))]
     first = engine.generate(request("a"))["a"].token_ids
-    kv_bytes = engine.stats()["kv_cache_bytes"]
+    kv_bytes = engine.stats().kv_cache_bytes
     in_use = lambda: jax.devices()[0].memory_stats()["bytes_in_use"]
     awake = in_use()
     engine.sleep()

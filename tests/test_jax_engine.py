@@ -4,23 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
-from april_jax.models import qwen3
+from april_jax.models import hf
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
-from hf_utils import save_tiny
+from engine_utils import GREEDY, tiny_reference_and_model, transformers_greedy
 
-GREEDY = SamplingParams(temperature=0.0)
 SLOTS, MAX_LEN = 5, 96
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("engine")
-    ref = save_tiny(path, vocab_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    return ref, qwen3.from_pretrained(path)
+    return tiny_reference_and_model(tmp_path_factory.mktemp("engine"))
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +48,11 @@ def test_greedy_matches_transformers_generate(tiny, prompts, greedy_outputs):
     out, stats = greedy_outputs
     assert len(prompts) > SLOTS and len({len(p) for p in prompts}) > 8
     for i, p in enumerate(prompts):
-        with torch.no_grad():
-            hf = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
-        assert out[str(i)].token_ids == hf[0, len(p):].tolist(), f"prompt {i}"
+        assert out[str(i)].token_ids == transformers_greedy(ref, p, 32), f"prompt {i}"
         assert out[str(i)].finish_reason == "length"
-    assert stats["tokens_generated"] == 16 * 32
+    assert stats.tokens_generated == 16 * 32
     # Continuous batching: 16 requests through 5 slots kept the slots mostly busy.
-    assert stats["occupancy"] > 0.75
+    assert stats.occupancy > 0.75
 
 
 def test_greedy_logprobs_equal_teacher_forced(tiny, prompts, greedy_outputs):
@@ -157,7 +150,7 @@ def test_bad_requests_fail_alone(tiny, prompts):
     assert "'long': prompt of 96 tokens" in res["long"].error and "max_model_len=96" in res["long"].error
     assert "'zero': max_new_tokens must be > 0" in res["zero"].error
     assert res["good"].finish_reason == "length" and len(res["good"].token_ids) == 8
-    assert engine.stats()["errors"] == 3
+    assert engine.stats().errors == 3
 
 
 def test_update_weights_versions_tokens_and_changes_output(tiny, prompts, greedy_outputs):
@@ -186,7 +179,7 @@ def test_batched_refill_gives_the_same_tokens(tiny, prompts, greedy_outputs):
     engine = engine_for(model, min_prefill_batch=3)
     got = engine.generate([Request(str(i), p, 32, GREEDY) for i, p in enumerate(prompts)])
     assert all(got[str(i)].token_ids == out[str(i)].token_ids for i in range(len(prompts)))
-    assert engine.stats()["prefill_tokens"] == sum(map(len, prompts))
+    assert engine.stats().prefill_tokens == sum(map(len, prompts))
 
 
 def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny, prompts, greedy_outputs):
@@ -206,8 +199,8 @@ def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny, prompts,
         assert (m.token_ids, m.finish_reason) == (r.token_ids, r.finish_reason), rid
         np.testing.assert_allclose(m.logprobs, r.logprobs, atol=1e-5)
     stats = multi_engine.stats()
-    assert stats["tokens_generated"] == sum(len(r.token_ids) for r in single.values())
-    assert stats["decode_calls"] * 3 < stats["decode_steps"]
+    assert stats.tokens_generated == sum(len(r.token_ids) for r in single.values())
+    assert stats.decode_calls * 3 < stats.decode_steps
 
 
 def test_requests_with_the_same_prompt_share_one_prefill(tiny, prompts):
@@ -216,7 +209,7 @@ def test_requests_with_the_same_prompt_share_one_prefill(tiny, prompts):
                 for j in range(4)]
     engine = engine_for(model, max_num_seqs=12, samples_per_prompt=4)
     shared = engine.generate(requests)
-    assert engine.stats()["prefill_tokens"] == sum(len(prompts[g]) for g in range(3))
+    assert engine.stats().prefill_tokens == sum(len(prompts[g]) for g in range(3))
     assert len({tuple(shared[f"0-{j}"].token_ids) for j in range(4)}) > 1  # own keys, not copies
     alone_engine = engine_for(model)
     for request in requests:
@@ -233,12 +226,12 @@ def test_reused_aborted_kv_resumes_exactly_like_an_uninterrupted_run(tiny, promp
     for _ in range(4):
         engine.step()
     partial = {r.request_id: r for r in engine.abort_all() if r.token_ids}
-    assert len(partial) == SLOTS and engine.stats()["kv_parked"] == SLOTS
+    assert len(partial) == SLOTS and engine.stats().kv_parked == SLOTS
     resumed = engine.generate([Request(rid, prompts[int(rid)] + r.token_ids, 32 - len(r.token_ids), GREEDY)
                                for rid, r in partial.items()])
     stats = engine.stats()
-    assert stats["kv_reused"] == SLOTS
-    assert stats["prefill_tokens"] == sum(len(prompts[i]) for i in range(SLOTS))  # no re-prefill
+    assert stats.kv_reused == SLOTS
+    assert stats.prefill_tokens == sum(len(prompts[i]) for i in range(SLOTS))  # no re-prefill
     for rid, r in partial.items():
         assert r.token_ids + resumed[rid].token_ids == out[rid].token_ids
         np.testing.assert_allclose(r.logprobs + resumed[rid].logprobs, out[rid].logprobs, atol=1e-5)
@@ -248,7 +241,7 @@ def test_reused_aborted_kv_resumes_exactly_like_an_uninterrupted_run(tiny, promp
         engine.step()
     engine.abort_all()
     assert engine.generate([Request("y", prompts[0], 8, GREEDY)])["y"].token_ids == out["0"].token_ids[:8]
-    assert engine.stats()["kv_reused"] == SLOTS
+    assert engine.stats().kv_reused == SLOTS
 
 
 def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny, prompts, greedy_outputs):
@@ -263,19 +256,19 @@ def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny, prompts, gree
     partial = {r.request_id: r for r in engine.abort_all()}
     cache = engine._cache
     engine.sleep()  # between rollouts, as the trainer steps
-    assert engine.stats()["kv_cache_bytes"] == 0 and all(x.is_deleted() for x in jax.tree.leaves(cache))
+    assert engine.stats().kv_cache_bytes == 0 and all(x.is_deleted() for x in jax.tree.leaves(cache))
     with pytest.raises(RuntimeError, match="asleep"):
         engine.step()
     engine.wake_up()
-    assert engine.stats()["kv_cache_bytes"] == sum(x.nbytes for x in jax.tree.leaves(cache))
+    assert engine.stats().kv_cache_bytes == sum(x.nbytes for x in jax.tree.leaves(cache))
     resumed = engine.generate([Request(rid, prompts[int(rid)] + r.token_ids, 32 - len(r.token_ids), GREEDY)
                                for rid, r in partial.items()])
-    assert engine.stats()["kv_reused"] == SLOTS  # the parked rows came back from host memory
+    assert engine.stats().kv_reused == SLOTS  # the parked rows came back from host memory
     for rid, r in partial.items():
         assert r.token_ids + resumed[rid].token_ids == out[rid].token_ids
     kept = engine_for(model, free_kv_in_sleep=False)
     kept.sleep()
-    assert kept.stats()["kv_cache_bytes"] > 0  # off: sleep keeps the cache
+    assert kept.stats().kv_cache_bytes > 0  # off: sleep keeps the cache
 
 
 def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny):
@@ -286,10 +279,7 @@ def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny):
     engine = engine_for(model, max_num_seqs=2, max_model_len=300)
     out = engine.generate([Request(str(i), p, 12, GREEDY) for i, p in enumerate(long_prompts)])
     for i, p in enumerate(long_prompts):
-        with torch.no_grad():
-            hf = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert out[str(i)].token_ids == hf[0, len(p):].tolist(), f"prompt {i}"
+        assert out[str(i)].token_ids == transformers_greedy(ref, p, 12), f"prompt {i}"
         np.testing.assert_allclose(out[str(i)].logprobs, teacher_forced_logprobs(model, p, out[str(i)].token_ids),
                                    atol=1e-4)
 
@@ -302,7 +292,7 @@ def test_bf16_engine_logprobs_match_bf16_teacher_forcing(tiny, prompts, tmp_path
     nats, asserted 0.02."""
     ref, _ = tiny
     ref.save_pretrained(tmp_path)
-    model = qwen3.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+    model = hf.from_pretrained(tmp_path, dtype=jnp.bfloat16)
     engine = engine_for(model, cache_dtype=cache_dtype, max_num_seqs=slots)
     expected_cache = jnp.float32 if cache_dtype is None and jax.default_backend() == "cpu" else jnp.bfloat16
     assert engine._cache.k[0].dtype == expected_cache
@@ -313,3 +303,14 @@ def test_bf16_engine_logprobs_match_bf16_teacher_forcing(tiny, prompts, tmp_path
         expected = teacher_forced_logprobs(model, prompts[i], r.token_ids)
         worst = max(worst, float(np.max(np.abs(np.asarray(r.logprobs) - expected))))
     assert worst < 0.02, worst
+
+
+def test_timeline_keeps_only_its_latest_points(tiny, prompts):
+    """One (time, busy slots) point per decode step, bounded: a long run keeps the newest only."""
+    _, model = tiny
+    engine = engine_for(model, timeline_points=8)
+    engine.generate([Request("t", prompts[0], 40, GREEDY)])
+    assert engine.stats().decode_steps == 39 > len(engine.timeline) == 8  # the first token is the prefill's
+    times = [t for t, _ in engine.timeline]
+    assert times == sorted(times) and times[-1] <= engine.now()
+    assert [busy for _, busy in engine.timeline] == [1] * 8

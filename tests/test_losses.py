@@ -147,6 +147,14 @@ def test_padding_invariance(mode):
     assert np.all(np.asarray(gb)[:, T:] == 0)
 
 
+def test_mis_shaped_inputs_fail_loudly_instead_of_broadcasting():
+    """A [B, 1] old_logp or [B, 1] advantages would broadcast against [B, T] and train on wrong numbers."""
+    x = random_inputs(0)
+    for key, bad in (("old", x["old"][:, :1]), ("adv", x["adv"][:, None])):
+        with pytest.raises(AssertionError, match="shape"):
+            ours(LossConfig(), {**x, key: bad})
+
+
 def test_all_current_versions_equal_plain_grpo():
     x = random_inputs(5)
     x["behav"] = x["old"]  # sampled by the current policy

@@ -10,7 +10,7 @@ import torch
 import transformers
 from flax import nnx
 
-from april_jax.models import qwen3
+from april_jax.models import hf, qwen3
 from april_jax.models.qwen3 import KVCache, Qwen3Config
 from april_jax.models.safetensors_io import CheckpointError
 from hf_utils import hf_logits, save_tiny, tiny_hf_model
@@ -29,7 +29,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_match_transformers_qwen3(tmp_path, name):
     ref = save_tiny(tmp_path, "qwen3", **CONFIGS[name])
-    model = qwen3.from_pretrained(tmp_path)
+    model = hf.from_pretrained(tmp_path)
     assert model.cfg.qk_norm and model.cfg.tie_word_embeddings == CONFIGS[name].get("tie_word_embeddings", False)
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
     assert ours.dtype == np.float32 and ours.shape == (3, 13, 160)
@@ -41,7 +41,7 @@ def test_logits_match_transformers_other_families(tmp_path, model_type, extra):
     kw = dict(extra)
     kw.pop("head_dim", None)
     ref = save_tiny(tmp_path, model_type, **kw)
-    model = qwen3.from_pretrained(tmp_path)
+    model = hf.from_pretrained(tmp_path)
     assert not model.cfg.qk_norm
     assert np.abs(np.asarray(model(jnp.asarray(IDS, jnp.int32))) - hf_logits(ref, IDS)).max() <= 1e-4
 
@@ -49,8 +49,8 @@ def test_logits_match_transformers_other_families(tmp_path, model_type, extra):
 @pytest.mark.parametrize("tied", [False, True])
 def test_save_pretrained_loads_in_transformers(tmp_path, tied):
     save_tiny(tmp_path / "src", tie_word_embeddings=tied)
-    model = qwen3.from_pretrained(tmp_path / "src")
-    qwen3.save_pretrained(model, tmp_path / "out")
+    model = hf.from_pretrained(tmp_path / "src")
+    hf.save_pretrained(model, tmp_path / "out")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert reloaded.config.tie_word_embeddings == tied
     ours = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
@@ -62,10 +62,10 @@ def test_sharded_checkpoint_loads(tmp_path):
     ref.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 2
-    model = qwen3.from_pretrained(tmp_path / "hf")
+    model = hf.from_pretrained(tmp_path / "hf")
     assert np.abs(np.asarray(model(jnp.asarray(IDS, jnp.int32))) - hf_logits(ref, IDS)).max() <= 1e-4
     # Our own sharded writer: several files + index, read back by transformers and by us.
-    qwen3.save_pretrained(model, tmp_path / "ours", max_shard_bytes=60_000)
+    hf.save_pretrained(model, tmp_path / "ours", max_shard_bytes=60_000)
     index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 2
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
@@ -74,7 +74,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 def test_bf16_params(tmp_path):
     ref = save_tiny(tmp_path)
-    model = qwen3.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+    model = hf.from_pretrained(tmp_path, dtype=jnp.bfloat16)
     assert model.layers[0].mlp.up_proj.weight[...].dtype == jnp.bfloat16
     logits = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
     assert logits.dtype == np.float32
@@ -83,7 +83,7 @@ def test_bf16_params(tmp_path):
 
 def test_kv_cache_prefill_then_decode_equals_full_forward(tmp_path):
     save_tiny(tmp_path, num_attention_heads=8, num_key_value_heads=2)
-    model = qwen3.from_pretrained(tmp_path)
+    model = hf.from_pretrained(tmp_path)
     full = np.asarray(model(jnp.asarray(IDS, jnp.int32)))
     # Rows prefill different lengths (right-padded), then decode one token at a time.
     prefill_lengths = np.array([5, 1, 9], np.int32)
@@ -128,7 +128,7 @@ def test_hf_config_round_trip():
 
 def test_missing_config_json(tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
-        qwen3.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 def test_unknown_model_type(tmp_path):
@@ -137,7 +137,7 @@ def test_unknown_model_type(tmp_path):
     cfg["model_type"] = "mixtral"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unknown model_type 'mixtral'"):
-        qwen3.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 def test_missing_tensor_named(tmp_path):
@@ -148,7 +148,7 @@ def test_missing_tensor_named(tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
-        qwen3.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 def test_wrong_shape_named(tmp_path):
@@ -157,21 +157,21 @@ def test_wrong_shape_named(tmp_path):
     cfg["intermediate_size"] = 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 96\), expected \(64, 128\)"):
-        qwen3.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 def test_missing_weights_file(tmp_path):
     save_tiny(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
-        qwen3.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("T", [200, 512])
 def test_long_sequence_block_causal_attention_matches_transformers(tmp_path, T):
     """At T >= 128 the cache-free forward skips masked query blocks (uneven blocks at T=200)."""
     ref = save_tiny(tmp_path, "qwen3", num_attention_heads=8, num_key_value_heads=2)
-    model = qwen3.from_pretrained(tmp_path)
+    model = hf.from_pretrained(tmp_path)
     ids = np.random.RandomState(1).randint(0, 160, size=(2, T))
     assert min(qwen3.CAUSAL_BLOCKS_MAX, T // qwen3.CAUSAL_BLOCK_MIN) > 1
     blocked = np.asarray(model(jnp.asarray(ids, jnp.int32)))

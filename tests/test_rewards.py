@@ -6,10 +6,10 @@ import time
 
 import pytest
 
+from april_jax.data.types import PromptRecord
 from april_jax.rl.rewards import GroupScorer, RewardModel, RewardSample, call_form, load_function
 from april_jax.rollout.april import April, RolloutConfig
 from april_jax.rollout.sim_engine import SimEngine
-from april_jax.rollout.types import PromptRecord
 
 
 def sample(response="the answer is 42", answer="42", **kw):

@@ -10,12 +10,12 @@ import pytest
 
 from april_jax import config as config_lib
 from april_jax.config import ConfigError
-from april_jax.models import qwen3
+from april_jax.data.types import PromptRecord
+from april_jax.models import hf, qwen3
 from april_jax.rl.losses import LossConfig, policy_loss
 from april_jax.rl.train_step import make_schedule
 from april_jax.rollout.april import April, RolloutConfig
 from april_jax.rollout.sim_engine import SimEngine
-from april_jax.rollout.types import PromptRecord
 
 
 def config(**overrides):
@@ -69,7 +69,7 @@ def test_kl_reference_from_ref_path_or_saved_after_warmup(tmp_path):
     policy, other = qwen3.init_model(cfg, seed=0), qwen3.init_model(cfg, seed=1)
     weight = lambda m: np.asarray(m.embed_tokens[...])
     assert build_reference(config(loss__kl_coef=0.0, loss__ref_path="x"), None, policy, tmp_path, True) is None
-    qwen3.save_pretrained(other, tmp_path / "ref")
+    hf.save_pretrained(other, tmp_path / "ref")
     ref = build_reference(config(loss__kl_coef=0.1, loss__ref_path=str(tmp_path / "ref")), None, policy, tmp_path, True)
     np.testing.assert_array_equal(weight(ref), weight(other))
     # after a warm-up the initial policy is saved on the fresh run and loaded on resume
@@ -105,9 +105,9 @@ def test_tokens_per_s_counts_what_the_engine_generated_in_the_step():
     april, engine = April(cfg, prompts(), lambda s, p: 1.0), SimEngine(slots=16, seed=1, length_scale=1.0)
     rows = []
     for version in range(4):
-        before = engine.stats()["tokens_generated"]
+        before = engine.stats().tokens_generated
         groups, m = april.collect(engine, version)
-        rows.append((engine.stats()["tokens_generated"] - before, m))
+        rows.append((engine.stats().tokens_generated - before, m))
     for generated, m in rows:
         assert m["rollout/generated_tokens"] == generated
         expected = generated / m["rollout/time_s"] if generated else 0.0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from april_jax.models import qwen3, sharding
+from april_jax.models import hf, qwen3, sharding
 from hf_utils import hf_logits, save_tiny
 
 IDS = np.random.RandomState(1).randint(0, 160, size=(4, 12))
@@ -45,9 +45,9 @@ def checkpoint(tmp_path_factory):
 
 def test_sharded_forward_equals_single_device(checkpoint):
     path, ref = checkpoint
-    single = qwen3.from_pretrained(path)
+    single = hf.from_pretrained(path)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    sharded = qwen3.from_pretrained(path, mesh=mesh)
+    sharded = hf.from_pretrained(path, mesh=mesh)
 
     w = sharded.layers[0].mlp.gate_proj.weight[...]
     assert w.sharding.spec == P("tensor", "fsdp")

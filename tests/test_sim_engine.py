@@ -28,8 +28,8 @@ def test_memory_pressure_preempts_and_keeps_kv_within_budget():
     reqs = [r for g in range(4) for r in requests(f"g{g}", 4)]
     out = engine.generate(reqs)
     stats = engine.stats()
-    assert stats["preempted"] > 0 and stats["kv_tokens_peak"] <= 2000
-    assert stats["kv_bytes_peak"] <= engine.cost.kv_budget_bytes
+    assert stats.preempted > 0 and stats.kv_tokens_peak <= 2000
+    assert stats.kv_bytes_peak <= engine.cost.kv_budget_bytes
     for r in reqs:  # a preempted response is recomputed and still ends at its drawn length
         assert out[r.request_id].finish_reason == "stop"
         assert len(out[r.request_id].token_ids) == draw_length(3, r.sample_key, 1 / 16)
@@ -51,16 +51,16 @@ def test_abort_then_resume_reprefills_or_reuses_parked_kv(reuse):
     engine.step()
     partial = {r.request_id: r for r in engine.abort_all()}
     before = engine.stats()
-    assert before["parked_tokens"] == (sum(16 + len(r.token_ids) for r in partial.values()) if reuse else 0)
-    assert before["kv_tokens_peak"] >= before["parked_tokens"]
+    assert before.parked_tokens == (sum(16 + len(r.token_ids) for r in partial.values()) if reuse else 0)
+    assert before.kv_tokens_peak >= before.parked_tokens
     resumed = [Request(f"{rid}x", tuple(range(1, 17)) + tuple(r.token_ids), 40_000 - len(r.token_ids),
                        sample_key=rid.rsplit("/", 1)[0]) for rid, r in partial.items() if r.token_ids]
     engine.submit(resumed)
     engine.step()
     after = engine.stats()
-    new_prefill = after["prefill_tokens"] - before["prefill_tokens"]
+    new_prefill = after.prefill_tokens - before.prefill_tokens
     if reuse:
-        assert new_prefill == 0 and after["kv_reused"] == len(resumed) and after["parked_tokens"] == 0
+        assert new_prefill == 0 and after.kv_reused == len(resumed) and after.parked_tokens == 0
     else:
         # Each resume re-prefills its tokens; the group's prompt once (prefix cache within the group).
         groups = {r.sample_key.split("/")[0] for r in resumed}
@@ -77,7 +77,7 @@ def test_replicas_keep_groups_whole_and_run_in_parallel():
     assert sorted(four.route.values()) == [0, 1, 2, 3]  # one group per replica
     for g in ("g0", "g1", "g2", "g3"):
         replica = four.replicas[four.route[g]]
-        assert replica.stats()["tokens_generated"] == sum(draw_length(5, f"{g}/{i}/0", 1 / 32) for i in range(4))
+        assert replica.stats().tokens_generated == sum(draw_length(5, f"{g}/{i}/0", 1 / 32) for i in range(4))
     # In parallel: the set takes as long as its slowest replica, not the sum.
     slowest = max(r.now() for r in four.replicas)
     assert four.now() == pytest.approx(slowest)
@@ -96,7 +96,7 @@ def test_abort_mid_span_counts_the_steps_done_by_then():
     partial = sim.abort_all()
     assert all(r.finish_reason == "abort" for r in partial)
     slow = sim.replicas[sim.route["g1"]]
-    done = slow.stats()["decode_steps"]
+    done = slow.stats().decode_steps
     # g1's replica ran the whole steps that ended by the time g0 finished, and not one more.
     assert 0 < done < 5000
     decode_time = t - cost.prefill_s(16)

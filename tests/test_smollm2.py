@@ -6,14 +6,14 @@ import pytest
 import transformers
 
 from april_jax import assets
-from april_jax.models import qwen3
+from april_jax.models import hf
 from hf_utils import hf_logits
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     path = assets.smollm2_135m_instruct()
-    return path, qwen3.from_pretrained(path)
+    return path, hf.from_pretrained(path)
 
 
 def test_smollm2_logits_match_transformers(smollm2):
@@ -74,15 +74,15 @@ def test_export_hf_writes_tokenizer_and_eos_and_generates_like_jax(smollm2, tmp_
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    assert hf.config.eos_token_id == eos == tok.eos_token_id
+    assert hf_model.config.eos_token_id == eos == tok.eos_token_id
     questions = ["What is the capital of France?", "Name a prime number larger than 10."]
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"]) for q in questions]
     ours = jax_greedy(model, prompts, 24, [eos])
     for prompt, mine in zip(prompts, ours):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
         assert ref == mine, (tok.decode(ref), tok.decode(mine))
     assert "Paris" in tok.decode(ours[0])

@@ -78,13 +78,13 @@ def test_ckpt_inspect_and_export_hf(uninterrupted, tmp_path):
 
     subprocess.run([sys.executable, "-m", "april_jax.ckpt", "export-hf", str(uninterrupted), str(tmp_path / "hf")],
                    check=True, capture_output=True, cwd=ROOT)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    from april_jax.models import qwen3
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    from april_jax.models import hf
 
-    ours = qwen3.from_pretrained(tmp_path / "hf")
+    ours = hf.from_pretrained(tmp_path / "hf")
     ids = np.array([[1, 3, 5, 6, 7, 4]])
     with torch.no_grad():
-        ref = hf(torch.tensor(ids)).logits.numpy()
+        ref = hf_model(torch.tensor(ids)).logits.numpy()
     assert np.abs(np.asarray(ours(jnp.asarray(ids, jnp.int32))) - ref).max() < 1e-4
 
 

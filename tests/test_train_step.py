@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from april_jax.data.types import PromptRecord
 from april_jax.models import qwen3, sharding
 from april_jax.rl.batch import groups_to_batch
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig, Trainer
 from april_jax.rollout.april import April, RolloutConfig
 from april_jax.rollout.jax_engine import JaxEngine
-from april_jax.rollout.types import PromptRecord
 
 CFG = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)

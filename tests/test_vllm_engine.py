@@ -175,8 +175,8 @@ def test_server_killed_mid_rollout_recovers_and_completes(tiny, engine, prompts)
     os.killpg(old_pid, signal.SIGKILL)
     t = time.time()
     got = {r.request_id: r for r in engine.run()}
-    assert engine.servers[0].proc.pid != old_pid and engine.stats()["restarts"] == 1
-    assert engine.stats()["resumed_after_failure"] >= 1
+    assert engine.servers[0].proc.pid != old_pid and engine.stats().restarts == 1
+    assert engine.stats().resumed_after_failure >= 1
     for i in range(3):
         assert got[str(i)].token_ids == full[str(i)].token_ids, i
         assert got[str(i)].finish_reason == "length"

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from april_jax import weights
-from april_jax.models import qwen3, sharding
+from april_jax.models import hf, qwen3, sharding
 
 CFG = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
@@ -33,13 +33,13 @@ def test_sharded_params_are_gathered():
 
 def test_safetensors_transport_loads_into_transformers(tmp_path):
     model = qwen3.init_model(CFG, seed=2)
-    qwen3.save_pretrained(model, tmp_path)  # config + weights of seed 2
+    hf.save_pretrained(model, tmp_path)  # config + weights of seed 2
     changed = qwen3.init_model(CFG, seed=3)
     weights.write_safetensors(weights.named_torch(changed), tmp_path / "model.safetensors")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = np.array([[1, 2, 3, 4]])
     with torch.no_grad():
-        ref = hf(torch.tensor(ids)).logits.numpy()
+        ref = hf_model(torch.tensor(ids)).logits.numpy()
     assert np.abs(np.asarray(changed(jax.numpy.asarray(ids, jax.numpy.int32))) - ref).max() < 1e-4
 
 

@@ -34,11 +34,11 @@ MAX_NUM_SEQS = 4  # per server
 def save_tiny_qwen3(path):
     """(path, JAX model) of the tiny random Qwen3 every vLLM test serves. head_dim 32: vLLM's CPU
     attention supports 32, 64, 80, ... (16 crashes the server on the first request)."""
-    from april_jax.models import qwen3
+    from april_jax.models import hf
 
     save_tiny(path, vocab_size=160, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
               initializer_range=0.3, max_position_embeddings=4096)
-    return path, qwen3.from_pretrained(path)
+    return path, hf.from_pretrained(path)
 
 
 def vllm_python() -> str:

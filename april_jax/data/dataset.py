@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from april_jax.rollout.types import PromptRecord
+from april_jax.data.types import PromptRecord
 
 
 class DataError(ValueError):

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
-from april_jax.rollout.types import PromptRecord
+from april_jax.data.types import PromptRecord
 
 PAD, BOS, EOS, REV, EQ = 0, 1, 2, 3, 4
 DIGIT0 = 5  # digits 0-9 are ids 5..14

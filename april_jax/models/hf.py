@@ -1,5 +1,8 @@
 """Hugging Face checkpoints <-> the NNX Qwen3: the name table, loading onto a mesh, saving.
 
+This module depends on `qwen3` (the model), never the other way round: load with
+`hf.from_pretrained`, save with `hf.save_pretrained`.
+
 Loading builds the model abstractly (no memory), then creates every parameter with
 `jax.make_array_from_callback`, so each device receives only its own shard, sliced straight
 out of the memory-mapped safetensors file.
@@ -77,8 +80,12 @@ def read_config(path) -> dict:
     return out
 
 
-def load_pretrained(path, *, param_dtype=jnp.float32, dtype=jnp.float32, mesh: Mesh | None = None,
+def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, compute_dtype=None,
                     **overrides) -> Qwen3:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`: parameters
+    in `dtype`, computation in `compute_dtype` (default: `dtype`); `overrides` set Qwen3Config fields
+    that config.json does not carry (e.g. remat="full")."""
+    param_dtype, dtype = dtype, compute_dtype or dtype
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")

@@ -534,17 +534,3 @@ def init_model(cfg: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Qwe
         shard_model(model, mesh)
     return model
 
-
-def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, compute_dtype=None, **overrides) -> Qwen3:
-    """Load a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`; `overrides`
-    set Qwen3Config fields that config.json does not carry (e.g. remat="full")."""
-    from april_jax.models import hf
-
-    return hf.load_pretrained(path, param_dtype=dtype, dtype=compute_dtype or dtype, mesh=mesh, **overrides)
-
-
-def save_pretrained(model: Qwen3, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json + safetensors that `transformers` loads."""
-    from april_jax.models import hf
-
-    hf.save_pretrained(model, path, max_shard_bytes=max_shard_bytes)

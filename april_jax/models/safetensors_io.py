@@ -20,16 +20,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from april_jax.errors import CheckpointError
+
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file or tensor is missing or malformed; the message names it."""
 
 
 def _first_line(e: BaseException) -> str:

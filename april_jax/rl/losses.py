@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -122,6 +123,12 @@ def _masked_mean(x_BT, mask_BT):
 def policy_loss(cfg: LossConfig, *, logp_BT, old_logp_BT, behaviour_logp_BT, advantages_B, mask_BT, versions_BT,
                 current_version, denoms: dict | None = None, ref_logp_BT=None, entropy_BT=None):
     """(loss, metrics). Gradients flow through `logp_BT` (and `entropy_BT`) only."""
+    # Shapes are static, so these checks cost nothing inside jit; without them a [B, 1] or [T]
+    # array would broadcast against [B, T] and train on the wrong numbers without an error.
+    chex.assert_rank(logp_BT, 2)
+    chex.assert_equal_shape([logp_BT, old_logp_BT, behaviour_logp_BT, mask_BT, versions_BT]
+                            + [x for x in (ref_logp_BT, entropy_BT) if x is not None])
+    chex.assert_shape(advantages_B, (logp_BT.shape[0],))
     mask = mask_BT.astype(bool)
     old = jax.lax.stop_gradient(behaviour_logp_BT if cfg.pi_old == "bypass" else old_logp_BT)
     behaviour = jax.lax.stop_gradient(behaviour_logp_BT)

@@ -34,9 +34,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from april_jax.data.types import PromptRecord
 from april_jax.rollout.buffer import PartialBuffer
+from april_jax.rollout.engine import EngineProtocol, EngineStats
+from april_jax.rollout.types import Group, Request, Result, Sample, SamplingParams
 from april_jax.schema import check_fields, internal, key
-from april_jax.rollout.types import Group, PromptRecord, Request, Result, Sample, SamplingParams
 
 RewardFn = Callable[[Sample, PromptRecord], float]  # or an object with submit_group(group) -> pending scores
 
@@ -122,7 +124,7 @@ class April:
         self.seen = {"responses": 0, "tokens": 0, "ctx": 0}
 
     # ---- the step ----
-    def collect(self, engine, version: int) -> tuple[list[Group], dict]:
+    def collect(self, engine: EngineProtocol, version: int) -> tuple[list[Group], dict]:
         cfg, target = self.cfg, self.cfg.rollout_batch_size
         t0, s0 = engine.now(), engine.stats()
         m = dict(aborted=0, resumed=0, dropped_tokens=0, stale_restarts=0, stale_dropped_groups=0,
@@ -351,7 +353,8 @@ class April:
             self.seen["tokens"] += L
             self.seen["ctx"] += L * P + L * (L - 1) // 2
 
-    def _metrics(self, groups: list[Group], version: int, m: dict, engine, t0: float, s0: dict) -> dict:
+    def _metrics(self, groups: list[Group], version: int, m: dict, engine: EngineProtocol, t0: float,
+                 s0: EngineStats) -> dict:
         samples = [s for g in groups for s in g.samples]
         lengths = np.array([len(s.response_ids) for s in samples] or [0])
         versions = np.concatenate([np.asarray(s.response_versions) for s in samples] or [np.zeros(0)])
@@ -360,20 +363,20 @@ class April:
         s1, elapsed = engine.stats(), engine.now() - t0
         # throughput of what the engine generated in this call (delivered responses may hold
         # tokens of earlier steps): 0 when a step is served from the buffer alone
-        generated = s1["tokens_generated"] - s0["tokens_generated"]
-        steps = s1["decode_steps"] - s0["decode_steps"]
-        busy = s1["busy_slot_steps"] - s0["busy_slot_steps"]
+        generated = s1.tokens_generated - s0.tokens_generated
+        steps = s1.decode_steps - s0.decode_steps
+        busy = s1.busy_slot_steps - s0.busy_slot_steps
         # Everything but the model: APRIL's bookkeeping and the engine's host work (engines that
         # time their device calls report model_s).
-        overhead = {"rollout/host_overhead_s": elapsed - (s1["model_s"] - s0["model_s"])} if "model_s" in s1 else {}
+        overhead = {"rollout/host_overhead_s": elapsed - (s1.model_s - s0.model_s)} if s1.model_s is not None else {}
         return {
             **overhead,
             "rollout/time_s": elapsed,
             "rollout/tokens": int(lengths.sum()),
             "rollout/generated_tokens": int(generated),
             "rollout/tokens_per_s": float(generated / elapsed) if generated and elapsed > 0 else 0.0,
-            "rollout/occupancy": busy / (steps * s1["slots"]) if steps else 0.0,
-            "rollout/prefill_tokens": s1["prefill_tokens"] - s0["prefill_tokens"],
+            "rollout/occupancy": busy / (steps * s1.slots) if steps else 0.0,
+            "rollout/prefill_tokens": s1.prefill_tokens - s0.prefill_tokens,
             "rollout/aborted": m["aborted"],
             "rollout/resumed": m["resumed"],
             "rollout/off_policy_token_frac": float(np.mean(versions < version)) if versions.size else 0.0,

@@ -1,6 +1,6 @@
 """Embedded JAX rollout engine: continuous batching over fixed slots, abort with partial results.
 
-Usage (the interface every engine implements):
+Usage (the contract every engine implements: `rollout/engine.py`):
 
     engine = JaxEngine(model, max_num_seqs=16, max_model_len=1024)
     engine.submit([Request("a", prompt_ids, max_new_tokens=256, sampling=SamplingParams(0.8))])
@@ -9,6 +9,7 @@ Usage (the interface every engine implements):
             ...
     partial = engine.abort(["a"])         # or engine.abort_all(): tokens generated so far
     engine.update_weights(params, version=3)
+    engine.stats()                        # a JaxEngineStats: counters since the start
 
 Results are polled: `step()` runs one engine iteration (refill free slots, then
 `decode_steps_per_call` decode steps for every busy slot in one jitted call; rows stop on device
@@ -34,6 +35,7 @@ their tokens skips the re-prefill (`kv_park.py`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Iterable
 
@@ -45,8 +47,10 @@ from flax import nnx
 from april_jax.models.qwen3 import KVCache, Qwen3
 from april_jax.rollout import engine_steps, sampling
 from april_jax.rollout.engine_steps import bucket_for, length_buckets, pow2_at_least
+from april_jax.rollout.jax_slots import Slots
 from april_jax.rollout.kv_park import KVParking
-from april_jax.rollout.types import PollingEngine, Request, Result
+from april_jax.rollout.engine import TIMELINE_POINTS, EngineStats, PollingEngine
+from april_jax.rollout.types import Request, Result
 
 # Cache length buckets of decode and extend calls start here: below it attention is a small part
 # of a step, and every bucket is one more program per batch bucket.
@@ -57,77 +61,18 @@ SMALLEST_SUFFIX_BUCKET = 8
 SMALLEST_ROWS_BUCKET = 4
 
 
-class _Slots:
-    """Per-slot state as host arrays, so the bookkeeping of a decode call (record its tokens, find
-    the rows that ended, build the next call's inputs) is a few numpy operations over the busy
-    slots rather than a Python loop over requests. Tokens, logprobs and versions of each slot are
-    kept in [slots, max_model_len] arrays and become lists only when the request ends."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JaxEngineStats(EngineStats):
+    """`EngineStats` plus the JAX engine's own counters. A decode step is one token for every busy slot."""
 
-    def __init__(self, num_slots: int, max_model_len: int):
-        S, L = num_slots, max_model_len
-        self.max_model_len = L
-        self.requests: list[Request | None] = [None] * S
-        self.slot_of: dict[str, int] = {}
-        self.active = np.zeros(S, bool)
-        self.temperature = np.zeros(S, np.float32)
-        self.top_p = np.ones(S, np.float32)
-        self.top_k = np.zeros(S, np.int32)
-        self.seeds = np.zeros(S, np.int32)
-        self.steps = np.zeros(S, np.int32)  # tokens so far, a pending first token included
-        self.limits = np.zeros(S, np.int32)
-        self.prompt_len = np.zeros(S, np.int32)
-        self.stop_ids = np.full((S, 4), -1, np.int32)  # width: a power of two, grows on demand
-        self.tokens = np.zeros((S, L), np.int32)
-        self.logprobs = np.zeros((S, L), np.float32)
-        self.versions = np.zeros((S, L), np.int64)
-
-    def start(self, i: int, request: Request, seed: int, steps: int) -> None:
-        p, stops = request.sampling, request.stop_token_ids
-        if len(stops) > self.stop_ids.shape[1]:
-            wider = np.full((len(self.active), pow2_at_least(len(stops))), -1, np.int32)
-            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
-            self.stop_ids = wider
-        self.requests[i] = request
-        self.slot_of[request.request_id] = i
-        self.active[i] = True
-        self.temperature[i], self.top_p[i], self.top_k[i], self.seeds[i] = p.temperature, p.top_p, p.top_k, seed
-        self.steps[i] = steps
-        self.prompt_len[i] = len(request.prompt_ids)
-        self.limits[i] = min(request.max_new_tokens, self.max_model_len - len(request.prompt_ids))
-        self.stop_ids[i] = -1
-        self.stop_ids[i, : len(stops)] = stops
-
-    def end(self, slots) -> None:
-        """Free these slots (their requests were answered). Free slots hold greedy defaults."""
-        for i in slots:
-            del self.slot_of[self.requests[i].request_id]
-            self.requests[i] = None
-        self.active[slots] = False
-        self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seeds[slots] = 0.0, 1.0, 0, 0
-        self.steps[slots] = self.limits[slots] = self.prompt_len[slots] = 0
-        self.stop_ids[slots] = -1
-
-    def record(self, slots_N, positions_N, tokens_N, logprobs_N, version: int) -> None:
-        self.tokens[slots_N, positions_N] = tokens_N
-        self.logprobs[slots_N, positions_N] = logprobs_N
-        self.versions[slots_N, positions_N] = version
-
-    def ended(self, slots_N) -> tuple[np.ndarray, np.ndarray]:
-        """(slots among `slots_N` whose request is over, whether each ended at a stop token)."""
-        n_N = self.steps[slots_N]
-        last_N = self.tokens[slots_N, np.maximum(n_N - 1, 0)]
-        stop_N = np.any(self.stop_ids[slots_N] == last_N[:, None], axis=1) & (n_N > 0)
-        over_N = stop_N | (n_N >= self.limits[slots_N])
-        return slots_N[over_N], stop_N[over_N]
-
-    def result(self, i: int, reason: str) -> Result:
-        n = int(self.steps[i])
-        return Result(self.requests[i].request_id, self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist(),
-                      self.versions[i, :n].tolist(), reason)
-
-    def token_ids(self, i: int) -> tuple[int, ...]:
-        """Prompt + generated ids of slot i (the key its KV row is parked under)."""
-        return self.requests[i].prompt_ids + tuple(self.tokens[i, : self.steps[i]].tolist())
+    decode_calls: int  # jitted decode calls (each up to decode_steps_per_call steps)
+    computed_slot_steps: int  # slot-steps the decode calls computed (their batch buckets), busy or padding
+    engine_s: float  # seconds inside the engine's methods; model_s of it in device calls
+    host_s: float  # engine_s - model_s: bookkeeping, batching, Python
+    kv_cache_bytes: int  # the KV cache now (0 while asleep)
+    kv_parked: int  # aborted rows parked (reuse_aborted_kv)
+    kv_reused: int  # resumes that took a parked row instead of a re-prefill
+    kv_evicted: int  # parked rows dropped for newer ones
 
 
 def default_cache_dtype(cfg) -> jnp.dtype:
@@ -145,7 +90,7 @@ class JaxEngine(PollingEngine):
     def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
                  policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8,
                  reuse_aborted_kv: bool = False, samples_per_prompt: int = 1, free_kv_in_sleep: bool = True,
-                 compact_decode: bool = True):
+                 compact_decode: bool = True, timeline_points: int = TIMELINE_POINTS):
         if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
             raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
                              f"decode_steps_per_call={decode_steps_per_call} must be positive")
@@ -179,7 +124,7 @@ class JaxEngine(PollingEngine):
         # re-prefill (see kv_park.py for what that trades).
         self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache_dtype) \
             if reuse_aborted_kv else None
-        self._slots = _Slots(max_num_seqs, max_model_len)
+        self._slots = Slots(max_num_seqs, max_model_len)
         self._queue: collections.deque[tuple[Request, int]] = collections.deque()
         self._ready: list[Result] = []  # finished outside a step (bad requests)
         self._seeds = np.random.default_rng(seed)
@@ -188,7 +133,7 @@ class JaxEngine(PollingEngine):
         self._pending: list[tuple[np.ndarray, jax.Array, jax.Array]] = []  # (slots, first tokens, logprobs)
         self._t0 = time.perf_counter()
         self._stats = collections.Counter()
-        self.timeline: list[tuple[float, int]] = []  # (seconds since start, busy slots) per decode step
+        self.timeline = self._new_timeline(timeline_points)  # (seconds since start, busy slots) per decode step
 
     # ---- interface ----
     def submit(self, requests: Iterable[Request]) -> None:
@@ -200,7 +145,7 @@ class JaxEngine(PollingEngine):
                 continue
             seed = request.sampling.seed
             self._queue.append((request, int(self._seeds.integers(2**31)) if seed is None else int(seed)))
-        self._stats["time_s"] += time.perf_counter() - t
+        self._stats["engine_s"] += time.perf_counter() - t
 
     def step(self) -> list[Result]:
         """Refill free slots, run one decode call; the results that finished in it."""
@@ -215,7 +160,7 @@ class JaxEngine(PollingEngine):
         busy = np.flatnonzero(self._slots.active)
         if len(busy):
             self._decode_step(busy, finished)
-        self._stats["time_s"] += time.perf_counter() - t
+        self._stats["engine_s"] += time.perf_counter() - t
         return finished
 
     def abort(self, request_ids: Iterable[str]) -> list[Result]:
@@ -234,7 +179,7 @@ class JaxEngine(PollingEngine):
         out += [slots.result(i, "abort") for i in stopped]
         slots.end(stopped)
         self._stats["aborted"] += len(out)
-        self._stats["time_s"] += time.perf_counter() - t
+        self._stats["engine_s"] += time.perf_counter() - t
         return out
 
     def abort_all(self) -> list[Result]:
@@ -242,11 +187,9 @@ class JaxEngine(PollingEngine):
         return self.abort(ids)
 
     def update_weights(self, params, version: int) -> None:
-        """New parameters (an nnx.State of the same model, or the model; None keeps the current
-        ones, a version bump only) for every later token."""
+        """New parameters (an nnx.State of the same model, or the model) for every later token."""
         if params is None:
-            self.policy_version = int(version)
-            return
+            raise TypeError("JaxEngine.update_weights: params is None (pass the policy's nnx.State or model)")
         state = nnx.state(params) if isinstance(params, nnx.Module) else params
         state = jax.tree.map(lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
                              state, self._state)
@@ -306,32 +249,17 @@ class JaxEngine(PollingEngine):
     def num_unfinished(self) -> int:
         return len(self._queue) + len(self._slots.slot_of)
 
-    def stats(self) -> dict:
+    def stats(self) -> JaxEngineStats:
         s = self._stats
-        steps = max(s["decode_steps"], 1)
-        return {
-            "slots": self.max_num_seqs,
-            "busy_slots": len(self._slots.slot_of),
-            "queued": len(self._queue),
-            "tokens_generated": s["tokens_generated"],
-            "prefill_tokens": s["prefill_tokens"],
-            "decode_steps": s["decode_steps"],
-            "decode_calls": s["decode_calls"],
-            "busy_slot_steps": s["busy_slot_steps"],
-            # Slot-steps the decode calls computed (their batch buckets), busy or padding.
-            "computed_slot_steps": s["computed_slot_steps"],
-            "occupancy": s["busy_slot_steps"] / (steps * self.max_num_seqs),
-            "aborted": s["aborted"],
-            "errors": s["errors"],
-            # time_s: inside the engine's methods; model_s: of that, in device calls and waiting
-            # for their results; host_s: the rest (bookkeeping, batching, Python).
-            "time_s": s["time_s"],
-            "model_s": s["model_s"],
-            "host_s": s["time_s"] - s["model_s"],
-            "policy_version": self.policy_version,
-            "kv_cache_bytes": 0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
-            **{f"kv_{name}": getattr(self._parking, name, 0) for name in ("parked", "reused", "evicted")},
-        }
+        return JaxEngineStats(
+            slots=self.max_num_seqs, busy_slots=len(self._slots.slot_of), queued=len(self._queue),
+            tokens_generated=s["tokens_generated"], prefill_tokens=s["prefill_tokens"],
+            decode_steps=s["decode_steps"], busy_slot_steps=s["busy_slot_steps"], aborted=s["aborted"],
+            errors=s["errors"], policy_version=self.policy_version, model_s=s["model_s"],
+            decode_calls=s["decode_calls"], computed_slot_steps=s["computed_slot_steps"], engine_s=s["engine_s"],
+            host_s=s["engine_s"] - s["model_s"],
+            kv_cache_bytes=0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
+            **{f"kv_{name}": getattr(self._parking, name, 0) for name in ("parked", "reused", "evicted")})
 
     def rng_state(self) -> dict:
         """The request-seed generator's state (JSON-able); a checkpoint keeps it for a bit-identical resume."""

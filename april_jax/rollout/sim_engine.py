@@ -34,7 +34,8 @@ from typing import Iterable
 import numpy as np
 
 from april_jax.rollout.cost_model import LinearCPU
-from april_jax.rollout.types import PollingEngine, Request, Result
+from april_jax.rollout.engine import EngineStats, PollingEngine
+from april_jax.rollout.types import Request, Result
 
 SEED_DISTRIBUTION = ((0.5, 1, 1024), (0.3, 1024, 8192), (0.2, 8192, 32768))
 
@@ -79,6 +80,24 @@ class _Seq:
         return Result(self.request.request_id, tokens, [-1.0] * n, versions.tolist(), reason)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SimEngineStats(EngineStats):
+    """`EngineStats` plus the simulation's own counters; every _s figure is simulated seconds.
+    A decode step is one token for every running request."""
+
+    clock_s: float  # the simulated clock (replicas: the set's wall clock)
+    prefill_time_s: float  # of it, prefilling (replicas: summed over them)
+    abort_time_s: float  # aborting
+    sync_time_s: float  # weight syncs
+    preempted: int  # requests preempted by recompute when the KV budget ran out
+    kv_reused: int  # resumes that took their parked KV instead of a re-prefill
+    parked_dropped: int  # parked KV dropped for memory
+    kv_tokens_peak: int  # most KV tokens resident at once (replicas: the largest replica's)
+    kv_bytes_peak: float  # the same in bytes, from the cost model
+    parked_tokens: int  # KV tokens parked now
+    replicas: int = 1
+
+
 class SimEngine(PollingEngine):
     def __init__(self, *, slots: int = 256, t0: float | None = None, c: float = 0.0, prefill_s_per_token: float = 0.00073,
                  length_scale: float = 1.0, seed: int = 0, max_model_len: int = 1 << 20, policy_version: int = 0,
@@ -97,7 +116,7 @@ class SimEngine(PollingEngine):
         self._progress: dict[str, int] = {}  # sample_key -> tokens generated over all segments
         self._clock = 0.0
         self._stats = collections.Counter()
-        self.timeline: list[tuple[float, int]] = []
+        self.timeline = self._new_timeline()  # (clock, running requests) per decode span
         self._plan: tuple[int, float] | None = None  # next_event's answer until the batch or clock changes
 
     # ---- the engine interface ----
@@ -144,6 +163,8 @@ class SimEngine(PollingEngine):
         return self.abort([s.request.request_id for s in [*self.queue, *self.running]])
 
     def update_weights(self, params, version: int) -> None:
+        """`params` is not used (the simulation has no model): a sync costs what the cost model
+        says, and later tokens carry `version`."""
         self._plan = None
         self.policy_version = int(version)
         for s in [*self.running, *self.queue]:
@@ -155,20 +176,17 @@ class SimEngine(PollingEngine):
     def has_unfinished(self) -> bool:
         return bool(self.queue or self._ready or self.running)
 
-    def stats(self) -> dict:
+    def stats(self) -> SimEngineStats:
         s = self._stats
-        kvb = self.cost.kv_bytes_per_token
-        return {"slots": self.max_num_seqs, "busy_slots": len(self.running),
-                "queued": len(self.queue), "tokens_generated": s["tokens_generated"],
-                "prefill_tokens": s["prefill_tokens"], "decode_steps": s["decode_steps"],
-                "busy_slot_steps": s["busy_slot_steps"],
-                "occupancy": s["busy_slot_steps"] / max(s["decode_steps"] * self.max_num_seqs, 1),
-                "aborted": s["aborted"], "errors": s["errors"], "time_s": self._clock,
-                "prefill_time_s": s["prefill_time_s"], "abort_time_s": s["abort_time_s"],
-                "sync_time_s": s["sync_time_s"], "preempted": s["preempted"], "kv_reused": s["kv_reused"],
-                "parked_dropped": s["parked_dropped"], "kv_tokens_peak": s["kv_tokens_peak"],
-                "kv_bytes_peak": s["kv_tokens_peak"] * kvb, "parked_tokens": sum(self.parked.values()),
-                "policy_version": self.policy_version}
+        return SimEngineStats(
+            slots=self.max_num_seqs, busy_slots=len(self.running), queued=len(self.queue),
+            tokens_generated=s["tokens_generated"], prefill_tokens=s["prefill_tokens"],
+            decode_steps=s["decode_steps"], busy_slot_steps=s["busy_slot_steps"], aborted=s["aborted"],
+            errors=s["errors"], policy_version=self.policy_version, clock_s=self._clock,
+            prefill_time_s=s["prefill_time_s"], abort_time_s=s["abort_time_s"], sync_time_s=s["sync_time_s"],
+            preempted=s["preempted"], kv_reused=s["kv_reused"], parked_dropped=s["parked_dropped"],
+            kv_tokens_peak=s["kv_tokens_peak"], kv_bytes_peak=s["kv_tokens_peak"] * self.cost.kv_bytes_per_token,
+            parked_tokens=sum(self.parked.values()))
 
     def limit_tokens_per_s(self) -> float:
         """Throughput with every slot busy decoding (no prefill), for the CPU model; the roofline

@@ -11,10 +11,12 @@ replica at the current wall time: it first runs the whole decode steps that end 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Iterable
 
-from april_jax.rollout.sim_engine import SimEngine, group_of
-from april_jax.rollout.types import PollingEngine, Request, Result
+from april_jax.rollout.engine import PollingEngine
+from april_jax.rollout.sim_engine import SimEngine, SimEngineStats, group_of
+from april_jax.rollout.types import Request, Result
 
 
 class SimReplicas(PollingEngine):
@@ -26,7 +28,7 @@ class SimReplicas(PollingEngine):
         self.max_num_seqs, self.max_model_len = slots, self.replicas[0].max_model_len
         self.route: dict[str, int] = {}  # group -> replica
         self._now = 0.0
-        self.timeline: list[tuple[float, int]] = []
+        self.timeline = self._new_timeline()  # (wall clock, running requests over all replicas) per event
 
     @property
     def kv_budget_tokens(self) -> float:
@@ -106,14 +108,14 @@ class SimReplicas(PollingEngine):
     def now(self) -> float:
         return self._now
 
-    def stats(self) -> dict:
+    def stats(self) -> SimEngineStats:
+        """Counters summed over the replicas; `slots` is one replica's, peaks the largest replica's."""
         per = [r.stats() for r in self.replicas]
-        summed = {k: sum(p[k] for p in per) for k in per[0] if k not in ("slots", "occupancy", "time_s", "policy_version")}
-        summed.update(slots=self.max_num_seqs, time_s=self._now, policy_version=self.policy_version,
-                      kv_tokens_peak=max(p["kv_tokens_peak"] for p in per),
-                      kv_bytes_peak=max(p["kv_bytes_peak"] for p in per), replicas=len(self.replicas))
-        summed["occupancy"] = summed["busy_slot_steps"] / max(summed["decode_steps"] * self.max_num_seqs, 1)
-        return summed
+        summed = {f.name: sum(getattr(p, f.name) for p in per) for f in dataclasses.fields(SimEngineStats)
+                  if f.name not in ("model_s", "slots", "policy_version", "clock_s", "kv_tokens_peak", "kv_bytes_peak")}
+        return SimEngineStats(**{**summed, "slots": self.max_num_seqs, "policy_version": self.policy_version,
+                                 "clock_s": self._now, "kv_tokens_peak": max(p.kv_tokens_peak for p in per),
+                                 "kv_bytes_peak": max(p.kv_bytes_peak for p in per)})
 
     def shutdown(self) -> None:
         self.abort_all()

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from april_jax.data.types import PromptRecord
+
+__all__ = ["FinishReason", "SamplingParams", "Request", "Result", "SampleStatus", "PromptRecord", "Sample", "Group"]
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -71,18 +75,6 @@ SampleStatus = Literal["pending", "running", "completed", "truncated", "aborted"
 
 
 @dataclasses.dataclass
-class PromptRecord:
-    """One dataset row: `uid` is unique per draw (the same row in two epochs gets two uids)."""
-
-    uid: str
-    prompt_ids: list[int]
-    answer: str | None = None
-    source: str | None = None  # e.g. "file.jsonl:17", for error messages
-    prompt: str | list | None = None  # the row's prompt as given (text or chat messages), for rewards
-    fields: dict = dataclasses.field(default_factory=dict)  # the row's other fields (JSON values), for rewards
-
-
-@dataclasses.dataclass
 class Sample:
     prompt_ids: list[int]
     group_id: str
@@ -130,29 +122,3 @@ class Group:
     def from_dict(cls, d: dict) -> "Group":
         return cls(d["group_id"], PromptRecord(**d["prompt"]), [Sample(**s) for s in d["samples"]])
 
-
-class PollingEngine:
-    """`run` / `generate` for engines that expose `submit`, `step` and `has_unfinished`, and the
-    shared check of incoming requests (`max_model_len`, a `_stats` Counter)."""
-
-    def _rejected(self, request: Request) -> Result | None:
-        """An 'error' result naming the problem when `request` cannot run (counted), else None."""
-        problem = request.validate(self.max_model_len)
-        if problem is None:
-            return None
-        self._stats["errors"] += 1
-        return Result(request.request_id, [], [], [], "error", problem)
-
-    def sleep(self) -> None:
-        """Release accelerator memory while the trainer steps (vLLM sleep mode); no-op by default."""
-
-    def wake_up(self) -> None:
-        """Undo `sleep` before the next weight sync and rollout."""
-
-    def run(self):
-        while self.has_unfinished():
-            yield from self.step()
-
-    def generate(self, requests) -> dict[str, Result]:
-        self.submit(requests)
-        return {r.request_id: r for r in self.run()}

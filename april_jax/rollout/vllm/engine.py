@@ -35,6 +35,7 @@ separate call for it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -49,7 +50,8 @@ import uuid
 from pathlib import Path
 from typing import Iterable
 
-from april_jax.rollout.types import PollingEngine, Request, Result
+from april_jax.rollout.engine import EngineStats, PollingEngine
+from april_jax.rollout.types import Request, Result
 from april_jax.rollout.vllm.server import VllmServer, VllmSetupError, healthy
 from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
 
@@ -58,6 +60,23 @@ log = logging.getLogger(__name__)
 
 WEIGHT_TRANSPORTS = ("shm", "file", "cuda_ipc")
 PROBE_EVERY_S = 2.0
+# The servers' Prometheus counters that `stats()` reads (summed over vLLM's engine cores):
+# engine iterations (the iteration-tokens histogram's count) and tokens generated in them.
+ITERATIONS_METRIC, GENERATED_METRIC = "vllm:iteration_tokens_total_count", "vllm:generation_tokens_total"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VllmEngineStats(EngineStats):
+    """`EngineStats` over the servers. decode_steps and busy_slot_steps are the servers' own
+    counters (GET /metrics, since this engine started): engine iterations, and tokens generated in
+    them (one per running request per iteration, first tokens included), summed over servers; a
+    restarted server counts on from where its predecessor stopped. `slots` is one server's."""
+
+    servers: int  # servers in rotation now
+    restarts: int  # owned servers restarted after dying
+    resumed_after_failure: int  # requests resumed on another or a restarted server
+    servers_lost: int  # attached servers taken out of rotation
+    servers_back: int  # attached servers that answered again and rejoined
 
 
 class VllmEngine(PollingEngine):
@@ -102,8 +121,10 @@ class VllmEngine(PollingEngine):
         self._down: dict[str, float] = {}  # attached server out of rotation -> when it was last probed
         self._stats = collections.Counter()
         self._t0 = time.perf_counter()
-        self._last_poll, self._last_busy = self._t0, 0
         self._said_no_sleep = False
+        # Each server's (iterations, generated tokens) counters when last read; counts since start.
+        self._counters: dict[str, tuple[float, float]] = {url: self._read_counters(url) or (0.0, 0.0)
+                                                          for url in self.urls}
 
     # ---- HTTP ----
     def _post(self, url: str, path: str, body: dict, timeout: float = 60.0) -> dict:
@@ -140,7 +161,6 @@ class VllmEngine(PollingEngine):
                 self._live[r.request_id] = state
             self._stats["prefill_tokens"] += len(r.prompt_ids)  # asked for; the server's prefix cache may skip some
             self._launch(state)
-        self._sample_occupancy()
 
     def _launch(self, state: dict) -> None:
         state["thread"] = threading.Thread(target=self._stream, args=(state,), daemon=True)
@@ -253,6 +273,7 @@ class VllmEngine(PollingEngine):
             fresh = VllmServer(**server.args)
             self.servers[i] = fresh
             self.urls = [fresh.url if u == server.url else u for u in self.urls]
+            self._counters[fresh.url] = (0.0, 0.0)  # a fresh server counts from 0
             self.api_key = fresh.api_key
             self._resync(fresh.url)
             self._stats["restarts"] += 1
@@ -278,7 +299,6 @@ class VllmEngine(PollingEngine):
             self._launch(st)
 
     def step(self, timeout: float = 0.05) -> list[Result]:
-        self._sample_occupancy()
         if self._lost:
             self._recover()
         if self._down:
@@ -315,12 +335,22 @@ class VllmEngine(PollingEngine):
             with self._lock:
                 self._live.pop(st["request"].request_id, None)
                 results.append(Result(st["request"].request_id, list(st["tokens"]), list(st["logprobs"]),
-                                      list(st["versions"]), "abort"))
+                                      list(st["versions"]), self._ended_anyway(st) or "abort"))
                 self._stats["tokens_generated"] += len(st["tokens"])
         # streams that finished on their own while we aborted are in the done queue: hand them back too
         leftover = [r for r in self.step(timeout=0) if r.request_id in ids]
-        self._stats["aborted"] += len(results)
+        self._stats["aborted"] += sum(r.finish_reason == "abort" for r in results)
         return results + leftover
+
+    def _ended_anyway(self, state: dict) -> str | None:
+        """The finish reason of an aborted stream that had already delivered its last token (its
+        finish chunk was still on the way): an "abort" must leave budget to resume with."""
+        r, tokens = state["request"], state["tokens"]
+        if tokens and tokens[-1] in r.stop_token_ids:
+            return "stop"
+        if len(tokens) >= min(r.max_new_tokens, self.max_model_len - len(r.prompt_ids)):
+            return "length"
+        return None
 
     def abort_all(self) -> list[Result]:
         with self._lock:
@@ -328,79 +358,97 @@ class VllmEngine(PollingEngine):
         return self.abort(ids)
 
     def update_weights(self, params, version: int) -> None:
-        """Push `params` (an nnx.State or model; None: version bump only) to every server through
+        """Push `params` (an nnx.State or model) to every server through
         `weight_transport`: "shm" (one /dev/shm safetensors buffer overwritten in place, mapped by
         the worker), "file" (a new safetensors file per sync, for servers that share a
         filesystem but not memory), "cuda_ipc" (GPU only, untested: see `weights.CudaIpcBucket`)."""
-        if params is not None:
-            from april_jax import weights
+        if params is None:
+            raise TypeError("VllmEngine.update_weights: params is None (pass the policy's nnx.State or model)")
+        from april_jax import weights
 
-            named = weights.named_torch(params)
-            if self.weight_transport == "cuda_ipc":
-                if self._buffer is None:
-                    self._buffer = weights.CudaIpcBucket(named)
-                self._buffer.write(named)
-                method, arg = "april_update_from_cuda_ipc", self._buffer.payload()
-            elif self.weight_transport == "file":
-                path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}_v{version}.safetensors"
-                tmp = path.with_suffix(".tmp")
-                weights.write_safetensors(named, tmp)
-                os.replace(tmp, path)
-                method, arg = "april_update_from_file", str(path)
-            else:
-                if self._buffer is None:
-                    path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
-                    self._buffer = weights.SharedSafetensors(named, path)
-                self._buffer.write(named)
-                method, arg = "april_update_from_file", self._buffer.path
-            previous, self._last_sync = self._last_sync, (method, arg)
-            owned = {server.url for server in self.servers}
-            for url in self.urls:
-                if url in self._down:
-                    continue  # re-synced when it answers again
-                try:
-                    self._resync(url)
-                except urllib.error.HTTPError:
-                    raise  # the server refused the update: a bug to see, not an outage
-                except (urllib.error.URLError, OSError) as e:
-                    if url in owned:
-                        raise
-                    self._take_out(url, e)
-            if len(self._down) == len(self.urls):
-                raise RuntimeError(f"weight sync v{version}: no vLLM server answered ({self.urls})")
-            if self.weight_transport == "file" and previous is not None and previous[1] != arg:
-                Path(previous[1]).unlink(missing_ok=True)  # the latest file stays for a restarted server
+        named = weights.named_torch(params)
+        if self.weight_transport == "cuda_ipc":
+            if self._buffer is None:
+                self._buffer = weights.CudaIpcBucket(named)
+            self._buffer.write(named)
+            method, arg = "april_update_from_cuda_ipc", self._buffer.payload()
+        elif self.weight_transport == "file":
+            path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}_v{version}.safetensors"
+            tmp = path.with_suffix(".tmp")
+            weights.write_safetensors(named, tmp)
+            os.replace(tmp, path)
+            method, arg = "april_update_from_file", str(path)
+        else:
+            if self._buffer is None:
+                path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
+                self._buffer = weights.SharedSafetensors(named, path)
+            self._buffer.write(named)
+            method, arg = "april_update_from_file", self._buffer.path
+        previous, self._last_sync = self._last_sync, (method, arg)
+        owned = {server.url for server in self.servers}
+        for url in self.urls:
+            if url in self._down:
+                continue  # re-synced when it answers again
+            try:
+                self._resync(url)
+            except urllib.error.HTTPError:
+                raise  # the server refused the update: a bug to see, not an outage
+            except (urllib.error.URLError, OSError) as e:
+                if url in owned:
+                    raise
+                self._take_out(url, e)
+        if len(self._down) == len(self.urls):
+            raise RuntimeError(f"weight sync v{version}: no vLLM server answered ({self.urls})")
+        if self.weight_transport == "file" and previous is not None and previous[1] != arg:
+            Path(previous[1]).unlink(missing_ok=True)  # the latest file stays for a restarted server
         self.policy_version = int(version)
 
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._live) or not self._done.empty()
 
-    def _sample_occupancy(self) -> None:
-        """Occupancy from the client's side: requests in flight, capped at the servers' slots (the
-        server's own queue is not busy slots), time-weighted between samples (taken at submit,
-        abort and every poll). For this engine "decode_steps" / "busy_slot_steps" are seconds and
-        slot-seconds."""
-        now = time.perf_counter()
-        self._stats["decode_steps"] += now - self._last_poll
-        self._stats["busy_slot_steps"] += self._last_busy * (now - self._last_poll)
-        self._last_poll = now
-        with self._lock:
-            self._last_busy = min(len(self._live), self.max_num_seqs * len(self.urls))
+    def _read_counters(self, url: str) -> tuple[float, float] | None:
+        """(iterations, generated tokens) from a server's Prometheus /metrics; None if it does not answer."""
+        req = urllib.request.Request(f"{url}/metrics", headers=(
+            {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}))
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        totals = {ITERATIONS_METRIC: 0.0, GENERATED_METRIC: 0.0}
+        for line in text.splitlines():  # e.g. 'vllm:generation_tokens_total{engine="0",model_name="policy"} 42.0'
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+        return totals[ITERATIONS_METRIC], totals[GENERATED_METRIC]
 
-    def stats(self) -> dict:
+    def _count_server_steps(self) -> None:
+        """Add what each serving server's counters moved since they were last read."""
+        for url in self.urls:
+            now = None if url in self._down else self._read_counters(url)
+            if now is None:
+                continue
+            # counters below the last reading: the server restarted under this URL, so they count from 0
+            last = self._counters.get(url, (0.0, 0.0))
+            moved = [n - l if n >= l else n for n, l in zip(now, last)]
+            self._stats["decode_steps"] += int(moved[0])
+            self._stats["busy_slot_steps"] += int(moved[1])
+            self._counters[url] = now
+
+    def stats(self) -> VllmEngineStats:
+        self._count_server_steps()
         with self._lock:
             busy = len(self._live)
         s = self._stats
-        slots = self.max_num_seqs * len(self.urls)
-        return {"slots": slots, "busy_slots": busy, "queued": max(busy - slots, 0),
-                "tokens_generated": s["tokens_generated"], "prefill_tokens": s["prefill_tokens"],
-                "decode_steps": s["decode_steps"], "busy_slot_steps": s["busy_slot_steps"],
-                "occupancy": s["busy_slot_steps"] / (s["decode_steps"] * slots) if s["decode_steps"] else 0.0,
-                "aborted": s["aborted"], "errors": s["errors"], "restarts": s["restarts"],
-                "resumed_after_failure": s["resumed_after_failure"], "servers_lost": s["servers_lost"],
-                "servers_back": s["servers_back"], "time_s": self.now(),
-                "policy_version": self.policy_version}
+        serving = len(self.urls) - len(self._down)
+        return VllmEngineStats(
+            slots=self.max_num_seqs, busy_slots=busy, queued=max(busy - self.max_num_seqs * serving, 0),
+            tokens_generated=s["tokens_generated"], prefill_tokens=s["prefill_tokens"],
+            decode_steps=s["decode_steps"], busy_slot_steps=s["busy_slot_steps"], aborted=s["aborted"],
+            errors=s["errors"], policy_version=self.policy_version, servers=serving, restarts=s["restarts"],
+            resumed_after_failure=s["resumed_after_failure"], servers_lost=s["servers_lost"],
+            servers_back=s["servers_back"])
 
     def now(self) -> float:
         return time.perf_counter() - self._t0

@@ -63,10 +63,10 @@ def prepare_model_dir(model, out, tokenizer_src=None) -> Path:
     """The folder a launched server starts from: the trainer's current weights and HF config, plus
     the tokenizer files of `tokenizer_src`: without them a real checkpoint's server dies at start
     ("Couldn't instantiate the backend tokenizer"). The toy tasks have no tokenizer."""
-    from april_jax.models import qwen3
+    from april_jax.models import hf
 
     out = Path(out)
-    qwen3.save_pretrained(model, out)
+    hf.save_pretrained(model, out)
     if tokenizer_src:
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_src) / name).is_file():
