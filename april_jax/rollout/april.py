@@ -257,7 +257,7 @@ class April:
     # Steps beyond max_staleness a response may span: it starts somewhere within its first step.
     STALENESS_HEADROOM = 0.0
 
-    def inflight_limit(self, engine) -> int:
+    def inflight_limit(self, engine: EngineProtocol) -> int:
         """Requests allowed in flight this step (see RolloutConfig.inflight)."""
         cfg, n = self.cfg, self.cfg.n_samples_per_prompt
         limit = cfg.over_sampling_batch_size * n
@@ -270,8 +270,8 @@ class April:
             per_step = cfg.rollout_batch_size * n * seen["tokens"] / seen["responses"]
             steps = max(cfg.max_staleness + self.STALENESS_HEADROOM, 0.5)
             limit = min(limit, int(steps * per_step / cfg.max_response_len))
-        budget = getattr(engine, "kv_budget_tokens", None)
-        if budget is not None and math.isfinite(budget):
+        budget = engine.kv_budget_tokens
+        if math.isfinite(budget):
             # before anything is delivered: every running context at half the response budget
             ctx = seen["ctx"] / seen["tokens"] if seen["tokens"] else cfg.max_response_len / 2
             limit = min(limit, int(self.KV_FILL * budget / ctx))

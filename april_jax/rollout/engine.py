@@ -66,6 +66,9 @@ class EngineProtocol(Protocol):
     max_num_seqs: int
     max_model_len: int
     policy_version: int
+    # KV tokens the running requests share (APRIL's inflight="auto" sizes its requests by it); inf
+    # where each slot reserves its own row (JAX) or the client cannot see the budget (vLLM).
+    kv_budget_tokens: float
 
     def submit(self, requests: Iterable[Request]) -> None:
         """Queue requests. One that cannot run finishes at once (finish_reason "error", a reason)."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from typing import Iterable
 
@@ -108,6 +109,7 @@ class JaxEngine(PollingEngine):
         # rows or M / share rows (two programs per row count, all compiled by `warmup`).
         self.prefill_share = pow2_at_least(max(samples_per_prompt, 1))
         self.max_model_len = max_model_len
+        self.kv_budget_tokens = math.inf  # every slot has its own max_model_len row: slots bound concurrency
         self.buckets = prefill_buckets(max_model_len)
         # Decode runs over the busy slots only, in a power-of-two batch bucket and a cache length
         # bucket; `compact_decode=False` runs every slot over the whole row (the reference path).

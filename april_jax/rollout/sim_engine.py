@@ -104,7 +104,7 @@ class SimEngine(PollingEngine):
                  reuse_aborted_kv: bool = False, cost=None):
         self.max_num_seqs = slots
         self.cost = cost if cost is not None else LinearCPU(0.010 + 0.00094 * slots if t0 is None else t0, c, prefill_s_per_token)
-        self.budget = self.cost.kv_budget_tokens  # KV tokens (inf for the CPU model)
+        self.budget = self.kv_budget_tokens = self.cost.kv_budget_tokens  # KV tokens (inf for the CPU model)
         self.length_scale, self.seed, self.max_model_len = length_scale, seed, max_model_len
         self.policy_version = policy_version
         self.reuse_aborted_kv = reuse_aborted_kv

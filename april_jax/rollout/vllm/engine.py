@@ -38,6 +38,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import shutil
@@ -90,6 +91,7 @@ class VllmEngine(PollingEngine):
         # trainer steps. A launched server gets --enable-sleep-mode; attached servers must have it.
         self.sleep_mode = sleep_mode
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.kv_budget_tokens = math.inf  # the servers' KV budget is not visible from here
         self.policy_version = policy_version
         self.servers: list[VllmServer] = []
         self._own_transport_dir = not urls
