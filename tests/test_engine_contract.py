@@ -126,3 +126,5 @@ def test_random_state_round_trips_as_json(engine):
     state = eng.rng_state()
     eng.set_rng_state(json.loads(json.dumps(state)))
     assert eng.rng_state() == state
+    eng.set_rng_state(None)  # what a fresh run (or a checkpoint without engine state) passes
+    assert eng.rng_state() == state

@@ -267,8 +267,10 @@ class JaxEngine(PollingEngine):
         """The request-seed generator's state (JSON-able); a checkpoint keeps it for a bit-identical resume."""
         return self._seeds.bit_generator.state
 
-    def set_rng_state(self, state: dict) -> None:
-        self._seeds.bit_generator.state = state
+    def set_rng_state(self, state: dict | None) -> None:
+        """Restore `rng_state()`; None (a fresh run, or a checkpoint of an engine without one) keeps the seed's."""
+        if state is not None:
+            self._seeds.bit_generator.state = state
 
     def now(self) -> float:
         """Seconds since the engine started (the clock APRIL measures throughput with)."""
