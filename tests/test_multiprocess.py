@@ -85,8 +85,9 @@ def test_two_processes_match_one_process_metrics(two_processes, one_process):
             assert key in compared
         different = {k: (a[k], b[k]) for k in compared if a[k] != b[k]}
         assert not different, f"step {a['step']}: {different}"
-    # step 0's groups may all score 0 (no advantage, a zero update); the last step trains on something
-    assert two[-1]["train/grad_norm"] > 0 and two[-1]["rollout/tokens"] > 0
+    # a step whose groups all score alike is a zero update (which step that is depends on the task's
+    # warm-up); the comparison only means something if some step trained on something
+    assert any(m["train/grad_norm"] > 0 for m in two) and all(m["rollout/tokens"] > 0 for m in two)
     delivered = lambda w: (w / "delivered.jsonl").read_text()
     assert delivered(two_processes) == delivered(one_process)
 
