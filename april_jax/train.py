@@ -263,6 +263,7 @@ class _MarkedScores:
 def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) -> dict:
     import jax
 
+    from april_jax import compile_clock
     from april_jax.checkpointing import Checkpointer
     from april_jax.metrics import MetricsWriter
     from april_jax.rl.advantages import overlong_penalty
@@ -334,8 +335,9 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
     if engine is not None:
         engine.set_rng_state(rng.get("engine"))
     last, skipped_in_a_row, save_due, last_good = {}, 0, False, ckpt.latest_step()
+    compile_clock.install()
     for step in range(start, c.train.total_steps):
-        t0 = time.perf_counter()
+        t0, compile0 = time.perf_counter(), compile_clock.seconds()
         groups, metrics, batch, shared = [], {}, None, {}
         if engine is not None:  # process 0
             # a fresh run's step 0 scores the policy it starts from (the baseline RL improves on); later
@@ -343,13 +345,13 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
             start_eval = evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version) if step == 0 and c.eval.every else {}
             groups, metrics = april.collect(engine, version)
             metrics.update(start_eval)
-            t1 = time.perf_counter()
+            t1, compile1 = time.perf_counter(), compile_clock.seconds()
             if groups:
                 batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
                 shared["rewards_failed"] = all(s.metadata.get("reward_failed") for g in groups for s in g.samples)
             engine.sleep()
         else:
-            t1 = t0
+            t1, compile1 = t0, compile0
         batch, shared = distributed.broadcast_batch(batch, shared)  # the other processes wait here
         if batch is None:
             raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
@@ -368,6 +370,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
             engine.wake_up()
             engine.update_weights(weights, version)
         t3 = time.perf_counter()
+        # compile seconds inside the rollout (engine programs met for the first time) and the step
+        metrics.update({"time/rollout_compile_s": compile1 - compile0, "time/compile_s": compile_clock.seconds() - compile0})
         metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
                         "time/elapsed_s": t3 - started,  # since the run began: warm-up and compiles included
                         "version": version})

@@ -8,6 +8,8 @@ each a fresh `python -m april_jax.train` process in its own workdir under `--out
 `--config.x=value` is passed to both. Prints one JSON line per run, then one overall JSON object:
 
 - `rollout_time_ratio`: median over seeds of (APRIL's median `time/rollout_s` per step) / (sync's);
+  `rollout_time_ratio_steady` the same without the XLA compiles inside each rollout
+  (`time/rollout_compile_s`: in a short run they land in the steps that meet a new shape first);
 - `wall_s`, `median_rollout_s`, `median_train_s` per run;
 - reward (mean `reward/mean` over the first and last 20% of steps) and greedy `eval/accuracy` at
   every eval step (both modes evaluate at the same steps), its first -> last gain;
@@ -83,9 +85,13 @@ def summarize(rows: list[dict], threshold: float) -> dict:
     reached = np.flatnonzero(moving >= threshold)
     at = int(reached[0]) + MOVING - 1 if len(reached) else None
     rollout_s = [r["time/rollout_s"] for r in rows[1:]]  # step 0 pays the compiles
+    # without the XLA compiles of engine programs met for the first time (a long run's steady state)
+    steady_s = [r["time/rollout_s"] - r.get("time/rollout_compile_s", 0.0) for r in rows[1:]]
     return {
         "steps": steps,
         "median_rollout_s": statistics.median(rollout_s),
+        "median_rollout_steady_s": statistics.median(steady_s),
+        "rollout_compile_s": float(sum(r.get("time/rollout_compile_s", 0.0) for r in rows)),
         "total_rollout_s": float(sum(rollout_s)),
         "median_train_s": statistics.median(r["time/train_s"] for r in rows[1:]),
         "elapsed_s": rows[-1]["time/elapsed_s"],
@@ -172,6 +178,7 @@ def main() -> None:
     by = {(r["mode"], r["seed"]): r for r in runs}
     seeds = sorted({r["seed"] for r in runs})
     ratios = [by["april", s]["median_rollout_s"] / by["sync", s]["median_rollout_s"] for s in seeds]
+    steady = [by["april", s]["median_rollout_steady_s"] / by["sync", s]["median_rollout_steady_s"] for s in seeds]
     final = {m: [by[m, s]["eval_last"] for s in seeds] for m in ("april", "sync")}
     gains = {m: [by[m, s]["eval_gain"] for s in seeds] for m in ("april", "sync")}
     # "not below sync within the spread": APRIL's mean final accuracy >= sync's mean minus half sync's range
@@ -179,9 +186,12 @@ def main() -> None:
     overall = {
         "config": args.config, "seeds": seeds, "overrides": overrides,
         "rollout_time_ratio": float(statistics.median(ratios)), "rollout_time_ratio_per_seed": ratios,
+        "rollout_time_ratio_steady": float(statistics.median(steady)), "rollout_time_ratio_steady_per_seed": steady,
         "wall_s": {m: spread([by[m, s]["wall_s"] for s in seeds]) for m in ("april", "sync")},
         "cpu_s": {m: spread([by[m, s]["cpu_s"] for s in seeds]) for m in ("april", "sync")},
         "median_rollout_s": {m: spread([by[m, s]["median_rollout_s"] for s in seeds]) for m in ("april", "sync")},
+        "median_rollout_steady_s": {m: spread([by[m, s]["median_rollout_steady_s"] for s in seeds])
+                                    for m in ("april", "sync")},
         "eval_last": {m: spread(final[m]) for m in ("april", "sync")},
         "eval_gain_per_seed": gains,
         "seconds_to_reward": {m: [by[m, s]["seconds_to_reward"] for s in seeds] for m in ("april", "sync")},
