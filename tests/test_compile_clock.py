@@ -3,8 +3,8 @@
 import time
 
 import jax
-import pytest
 import jax.numpy as jnp
+import pytest
 
 from april_jax import compile_clock
 
