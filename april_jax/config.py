@@ -105,6 +105,9 @@ class Rollout(RolloutConfig):
                                        "during train steps")
     decode_steps_per_call: int = key(8, "jax engine: decode steps per jitted call (fewer: slots refill sooner)",
                                      gt=0)
+    merge_padding_tokens: int = key(0, "jax engine: a prefill or extend call may pad this many tokens to serve two "
+                                       "length buckets at once (one call less; on small models a call's fixed cost "
+                                       "exceeds that compute)", ge=0)
     reuse_aborted_kv: bool = key(False, "jax engine: resume partial responses from their parked KV cache "
                                         "(no re-prefill)")
     free_kv_cache_in_train: bool = key(True, "jax engine: free its KV cache during train steps "

@@ -118,7 +118,8 @@ def build_engine(c, model, max_model_len: int, version: int) -> EngineProtocol:
         return JaxEngine(model, max_num_seqs=c.rollout.max_num_seqs, max_model_len=max_model_len, seed=c.seed,
                          policy_version=version, decode_steps_per_call=c.rollout.decode_steps_per_call,
                          reuse_aborted_kv=c.rollout.reuse_aborted_kv, samples_per_prompt=c.rollout.n_samples_per_prompt,
-                         free_kv_in_sleep=c.rollout.free_kv_cache_in_train)
+                         free_kv_in_sleep=c.rollout.free_kv_cache_in_train,
+                         merge_padding_tokens=c.rollout.merge_padding_tokens)
     if c.rollout.engine == "sim":
         from april_jax.rollout.sim_engine import SimEngine
 
@@ -371,7 +372,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
             engine.update_weights(weights, version)
         t3 = time.perf_counter()
         # compile seconds inside the rollout (engine programs met for the first time) and the step
-        metrics.update({"time/rollout_compile_s": compile1 - compile0, "time/compile_s": compile_clock.seconds() - compile0})
+        metrics.update({"time/rollout_compile_s": compile1 - compile0,
+                        "time/compile_s": compile_clock.seconds() - compile0})
         metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
                         "time/elapsed_s": t3 - started,  # since the run began: warm-up and compiles included
                         "version": version})

@@ -33,6 +33,9 @@ def get_config():
     c.rollout.max_num_seqs = 128
     c.rollout.max_staleness = 3
     c.rollout.decode_steps_per_call = 2  # responses average ~8 tokens: longer calls leave slots idle
+    # a call costs ~3-5 ms here whatever its size (RESULTS.md, issue 14, session 7): pad prompts and
+    # resumed partials into one prefill / extend call rather than one per length bucket
+    c.rollout.merge_padding_tokens = 1024
 
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
     c.optimizer.lr = 1e-3

@@ -369,6 +369,8 @@ class April:
         # Everything but the model: APRIL's bookkeeping and the engine's host work (engines that
         # time their device calls report model_s).
         overhead = {"rollout/host_overhead_s": elapsed - (s1.model_s - s0.model_s)} if s1.model_s is not None else {}
+        if s1.model_calls is not None:
+            overhead["rollout/model_calls"] = s1.model_calls - s0.model_calls
         return {
             **overhead,
             "rollout/time_s": elapsed,

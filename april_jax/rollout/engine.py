@@ -50,6 +50,9 @@ class EngineStats:
     policy_version: int  # the version new tokens are tagged with
     # Seconds in model (device) calls, for the engines that time them (JAX); None otherwise.
     model_s: float | None = None
+    # Device programs launched (prefill, extend, decode, KV copies), for the engines that count
+    # them (JAX): on a small model each costs about the same, whatever its batch.
+    model_calls: int | None = None
 
     @property
     def occupancy(self) -> float:

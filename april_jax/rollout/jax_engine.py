@@ -87,11 +87,28 @@ def prefill_buckets(max_model_len: int, smallest: int = 16) -> tuple[int, ...]:
     return length_buckets(max_model_len, smallest)
 
 
+def merge_buckets(by_bucket: dict[int, list], rows, padding_budget: int) -> dict[int, list]:
+    """Items grouped by length bucket, ascending; a bucket joins the next larger one when that
+    pads at most `padding_budget` tokens (`rows(items)` x the length difference), so one call
+    serves both."""
+    buckets = sorted(by_bucket)
+    merged: dict[int, list] = {}
+    carry: list = []
+    for bucket, larger in zip(buckets, buckets[1:] + [None]):
+        items = carry + by_bucket[bucket]
+        if larger is not None and rows(items) * (larger - bucket) <= padding_budget:
+            carry = items
+            continue
+        merged[bucket], carry = items, []
+    return merged
+
+
 class JaxEngine(PollingEngine):
     def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
                  policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8,
                  reuse_aborted_kv: bool = False, samples_per_prompt: int = 1, free_kv_in_sleep: bool = True,
-                 compact_decode: bool = True, timeline_points: int = TIMELINE_POINTS):
+                 compact_decode: bool = True, timeline_points: int = TIMELINE_POINTS,
+                 merge_padding_tokens: int = 0):
         if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
             raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
                              f"decode_steps_per_call={decode_steps_per_call} must be positive")
@@ -111,6 +128,10 @@ class JaxEngine(PollingEngine):
         self.max_model_len = max_model_len
         self.kv_budget_tokens = math.inf  # every slot has its own max_model_len row: slots bound concurrency
         self.buckets = prefill_buckets(max_model_len)
+        self.suffix_buckets = length_buckets(max_model_len, SMALLEST_SUFFIX_BUCKET)
+        # Prefill and extend calls serve two length buckets at once when that pads at most this
+        # many tokens: on a small model a call's fixed cost exceeds the padding's compute.
+        self.merge_padding_tokens = merge_padding_tokens
         # Decode runs over the busy slots only, in a power-of-two batch bucket and a cache length
         # bucket; `compact_decode=False` runs every slot over the whole row (the reference path).
         self.compact_decode = compact_decode
@@ -178,6 +199,7 @@ class JaxEngine(PollingEngine):
             m = time.perf_counter()
             self._parking.park(self._cache, [(i, slots.token_ids(i)) for i in stopped])
             self._stats["model_s"] += time.perf_counter() - m
+            self._stats["model_calls"] += 1
         out += [slots.result(i, "abort") for i in stopped]
         slots.end(stopped)
         self._stats["aborted"] += len(out)
@@ -257,7 +279,7 @@ class JaxEngine(PollingEngine):
             slots=self.max_num_seqs, busy_slots=len(self._slots.slot_of), queued=len(self._queue),
             tokens_generated=s["tokens_generated"], prefill_tokens=s["prefill_tokens"],
             decode_steps=s["decode_steps"], busy_slot_steps=s["busy_slot_steps"], aborted=s["aborted"],
-            errors=s["errors"], policy_version=self.policy_version, model_s=s["model_s"],
+            errors=s["errors"], policy_version=self.policy_version, model_s=s["model_s"], model_calls=s["model_calls"],
             decode_calls=s["decode_calls"], computed_slot_steps=s["computed_slot_steps"], engine_s=s["engine_s"],
             host_s=s["engine_s"] - s["model_s"],
             kv_cache_bytes=0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
@@ -310,7 +332,8 @@ class JaxEngine(PollingEngine):
             if prefix_len < len(prompt):
                 suffixed.append((*item, prefix_len))
         slots = self._slots
-        for bucket, items in sorted(by_bucket.items()):
+        distinct_prefixes = lambda items: len({request.prompt_ids[:n] for _, request, _, n in items})
+        for bucket, items in merge_buckets(by_bucket, distinct_prefixes, self.merge_padding_tokens).items():
             # Requests prefilled whole first: the first tokens of the leading rows are theirs.
             items.sort(key=lambda item: item[3] < len(item[1].prompt_ids))
             whole = sum(n == len(request.prompt_ids) for _, request, _, n in items)
@@ -338,13 +361,16 @@ class JaxEngine(PollingEngine):
                 lengths, *args, mode=sampling.batch_mode(*args[:3]))
             if whole:
                 self._pending.append((slot_M[:whole], first, logprobs))
-        if suffixed:
-            self._extend(suffixed)
+        # One extend call per suffix bucket: a call computes rows x its longest suffix, so resumed
+        # members of a few tokens would otherwise pay for the longest partial of the step.
+        by_suffix = collections.defaultdict(list)
+        for item in suffixed:
+            by_suffix[bucket_for(len(item[1].prompt_ids) - item[3], self.suffix_buckets)].append(item)
+        for T, items in merge_buckets(by_suffix, len, self.merge_padding_tokens).items():
+            self._extend(items, T)
 
-    def _extend(self, items: list[tuple[int, Request, int, int]]) -> None:
+    def _extend(self, items: list[tuple[int, Request, int, int]], T: int) -> None:
         rows = self._rows_bucket(len(items))
-        longest = max(len(request.prompt_ids) - n for _, request, _, n in items)
-        T = bucket_for(longest, length_buckets(self.max_model_len, SMALLEST_SUFFIX_BUCKET))
         slot_M = np.full(rows, self.max_num_seqs, np.int32)
         tokens, lengths = np.zeros((rows, T), np.int32), np.ones(rows, np.int32)
         for r, (slot, request, _, n) in enumerate(items):
@@ -363,6 +389,7 @@ class JaxEngine(PollingEngine):
         t = time.perf_counter()
         out = program(*args, **kw)
         self._stats["model_s"] += time.perf_counter() - t
+        self._stats["model_calls"] += 1
         return out
 
     def _restore_parked(self, starting):
@@ -398,16 +425,20 @@ class JaxEngine(PollingEngine):
         (copied: the host keeps writing it while the call may still read it)."""
         return self._next_token_dev if self._next_token_dev is not None else self._next_token.copy()
 
-    def _read_first_tokens(self, finished: list[Result]) -> None:
-        """Record the first tokens of this step's prefills (read back after the decode call is queued)."""
-        slots = self._slots
+    def _read_first_tokens(self, finished: list[Result]) -> float:
+        """Record the first tokens of this step's prefills (read back after the decode call is
+        queued); returns the seconds spent waiting for the prefills to compute them."""
+        slots, waited = self._slots, 0.0
         for slots_N, first, logprobs in self._pending:
+            t = time.perf_counter()
             first, logprobs = np.asarray(first)[: len(slots_N)], np.asarray(logprobs)[: len(slots_N)]
+            waited += time.perf_counter() - t
             slots.record(slots_N, np.zeros(len(slots_N), np.int32), first, logprobs, self.policy_version)
             self._next_token[slots_N] = first
             self._stats["tokens_generated"] += len(slots_N)
             self._finish(slots_N, finished)
         self._pending = []
+        return waited
 
     def _finish(self, slots_N, finished: list[Result]) -> None:
         done, at_stop = self._slots.ended(slots_N)
@@ -440,8 +471,8 @@ class JaxEngine(PollingEngine):
             steps_per_call=self.decode_steps_per_call)
         self._next_token_dev = None
         host = time.perf_counter()
-        self._read_first_tokens(finished)  # a first token may end its request: its decode rows are dropped
-        host = time.perf_counter() - host
+        waited = self._read_first_tokens(finished)  # a first token may end its request: its decode rows are dropped
+        host = time.perf_counter() - host - waited  # waiting for the prefills is the model's time
         tokens, logprobs, was_active = np.asarray(tokens), np.asarray(logprobs), np.asarray(was_active)
         self._stats["model_s"] += time.perf_counter() - t - host
         if not self.compact_decode:
@@ -453,6 +484,7 @@ class JaxEngine(PollingEngine):
         self.timeline.extend((t0 + (k + 1) * dt, int(b)) for k, b in enumerate(busy_per_step))
         self._stats["decode_steps"] += ran
         self._stats["decode_calls"] += 1
+        self._stats["model_calls"] += 1
         self._stats["busy_slot_steps"] += int(busy_per_step.sum())
         self._stats["computed_slot_steps"] += ran * len(rows_B)
         # Rows ended by their first token (already answered) drop their decode output.
