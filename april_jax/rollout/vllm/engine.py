@@ -221,13 +221,13 @@ class VllmEngine(PollingEngine):
                 self._lost.append(state)
             return
         reason = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(reason, "abort")
-        with self._lock:
+        with self._lock:  # leaving _live and entering _done at once: abort() and has_unfinished() see one of them
             self._live.pop(r.request_id, None)
             if state.get("aborting"):
                 return  # abort() hands this one back
             self._stats["tokens_generated"] += len(state["tokens"])
-        self._done.put(Result(r.request_id, list(state["tokens"]), list(state["logprobs"]), list(state["versions"]),
-                              reason, state.get("error") if reason == "error" else None))
+            self._done.put(Result(r.request_id, list(state["tokens"]), list(state["logprobs"]),
+                                  list(state["versions"]), reason, state.get("error") if reason == "error" else None))
 
     def _next_url(self) -> str:
         serving = [u for u in self.urls if u not in self._down] or self.urls
@@ -339,8 +339,13 @@ class VllmEngine(PollingEngine):
                 results.append(Result(st["request"].request_id, list(st["tokens"]), list(st["logprobs"]),
                                       list(st["versions"]), self._ended_anyway(st) or "abort"))
                 self._stats["tokens_generated"] += len(st["tokens"])
-        # streams that finished on their own while we aborted are in the done queue: hand them back too
-        leftover = [r for r in self.step(timeout=0) if r.request_id in ids]
+        # streams that finished on their own while we aborted are in the done queue: hand them back
+        # too; other requests' results stay queued for the next step()
+        leftover, others = [], []
+        for r in self.step(timeout=0):
+            (leftover if r.request_id in ids else others).append(r)
+        for r in others:
+            self._done.put(r)
         self._stats["aborted"] += sum(r.finish_reason == "abort" for r in results)
         return results + leftover
 
@@ -355,9 +360,10 @@ class VllmEngine(PollingEngine):
         return None
 
     def abort_all(self) -> list[Result]:
+        """Abort every request in flight; also hands back those that finished before it (not yet stepped)."""
         with self._lock:
             ids = list(self._live)
-        return self.abort(ids)
+        return self.abort(ids) + self.step(timeout=0)
 
     def update_weights(self, params, version: int) -> None:
         """Push `params` (an nnx.State or model) to every server through
