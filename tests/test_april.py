@@ -157,7 +157,7 @@ def test_inflight_auto_sizes_requests_by_the_staleness_cap_and_the_kv_budget(max
         expected = cfg.rollout_batch_size * 4
         if seen["responses"]:
             per_step = 4 * 4 * seen["tokens"] / seen["responses"]
-            expected = min(16 * 4, int(max(max_staleness, 0.5) * per_step / 2048))
+            expected = min(16 * 4, int((max_staleness + 1) * per_step / 2048))  # at the step's start
         ctx = seen["ctx"] / seen["tokens"] if seen["tokens"] else 1024
         expected = max(min(expected, int(0.85 * 2 * cost.kv_budget_tokens / ctx)), 4)
         wrapped.peak = wrapped.now_out  # 0: every request was aborted at the last step's end
@@ -174,6 +174,36 @@ def test_inflight_auto_sizes_requests_by_the_staleness_cap_and_the_kv_budget(max
     check_invariants(cfg, april, delivered)
     assert engine.stats().kv_tokens_peak <= cost.kv_budget_tokens
     assert_bounds_hold(cost, cfg, delivered, engine, replicas=2, slots=64)
+
+
+def test_inflight_auto_limit_shrinks_over_the_step_by_the_steps_a_start_has_left():
+    """A response started when a fraction f of the step's groups is delivered has max_staleness + 1 - f
+    steps before its cap: 4 x 4 responses of 1000 tokens per step, max_response_len 2048, cap 2:
+    R = int((3 - f) x 16000 / 2048) = 23 at the start, 19 half-way, 15 at the end (the old
+    max_staleness-steps sizing), within over-sampling 16 x 4; the KV budget (CPU model) is unbounded."""
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=16,
+                        max_response_len=2048, max_staleness=2, inflight="auto")
+    april = April(cfg, prompt_stream())
+    april.seen = {"responses": 16, "tokens": 16_000, "ctx": 16 * (1000 * 8 + 1000 * 999 // 2)}
+    engine = SimEngine(slots=64)
+    assert [april.inflight_limit(engine, f) for f in (0.0, 0.5, 1.0)] == [23, 19, 15]
+    assert April(dataclasses.replace(cfg, inflight="over_sampling"), prompt_stream()).inflight_limit(engine, 0.5) == 64
+
+
+@pytest.mark.parametrize("cutoff", [0.5, 1.0])
+def test_inflight_auto_starts_no_fresh_group_past_the_late_start_cutoff(cutoff):
+    """With late_start_cutoff 0.5 no fresh group starts once half the step's groups are delivered (the
+    groups in flight always suffice here); without a cutoff (1.0) some do, so the check can fail."""
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=16,
+                        max_response_len=2000, max_staleness=3, refill="members", inflight="auto",
+                        late_start_cutoff=cutoff)
+    april, _, delivered = run_steps(cfg, 10, slots=64, length_scale=1 / 16)
+    check_invariants(cfg, april, delivered)
+    late = [m["rollout/fresh_start_progress_max"] for _, _, m in delivered]
+    if cutoff < 1:
+        assert max(late) < cutoff
+    else:
+        assert max(late) >= 0.5
 
 
 def test_member_refill_keeps_the_engine_full_where_group_counting_drains_it():

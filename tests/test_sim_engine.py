@@ -85,6 +85,20 @@ def test_replicas_keep_groups_whole_and_run_in_parallel():
     assert slowest < sum(r.now() for r in four.replicas) / 2
 
 
+def test_a_new_group_goes_to_the_replica_with_the_least_requests_counting_context():
+    """Load = requests + running context / 16384: replica 0 runs one request of a 40,000-token context
+    (1 + 40000 / 16384 = 3.44), replica 1 three of 16 tokens (3 + 48 / 16384 = 3.003), so a new group
+    goes to replica 1, where counting requests alone (1 < 3) would send it to replica 0."""
+    sim = SimReplicas(2, slots=8, seed=0)
+    sim.route.update(big=0, small=1)
+    sim.submit(requests("big", 1, prompt_len=40_000) + requests("small", 3))
+    for r in sim.replicas:
+        r.admit()
+    assert [r.running_ctx for r in sim.replicas] == [40_000, 48]
+    sim.submit(requests("new", 2))
+    assert sim.route["new"] == 1
+
+
 def test_abort_mid_span_counts_the_steps_done_by_then():
     cost = cm.make("h200-qwen3-4b")
     sim = SimReplicas(2, slots=8, cost=cost, seed=2, length_scale=1.0)

@@ -86,14 +86,20 @@ class RolloutConfig:
     resume_count: str = key("fraction", "a resumed group with k of n members unfinished counts k/n of the "
                                         "budget, or 1 ('group', as slime)", choices=("fraction", "group"))
     # "auto" also caps the in-flight requests so that a max_response_len response finishes within
-    # max_staleness steps (a response advances one token per decode step: R requests in flight
-    # make a step of D delivered tokens last D / R decode steps, so R <= staleness x D /
-    # max_response_len, D measured) and, on an engine that reports its KV budget
+    # its cap (a response advances one token per decode step: R requests in flight make a step of
+    # D delivered tokens last D / R decode steps, so R <= steps x D / max_response_len, D measured,
+    # steps = max_staleness + 1 - the fraction of the step gone when it starts; no fresh start past
+    # late_start_cutoff) and, on an engine that reports its KV budget
     # (`kv_budget_tokens`, the simulated replicas), so that their contexts fit it. Issue 13.
     inflight: str = key("over_sampling", "requests in flight: over_sampling_batch_size x n_samples_per_prompt, or "
                                          "'auto': also as few as let a full-length response finish within "
-                                         "max_staleness steps (and fit the KV budget)",
+                                         "its staleness cap (and fit the KV budget)",
                         choices=("over_sampling", "auto"))
+    # A response must finish within max_staleness + 1 steps counted from the step it starts in, so a
+    # fresh group started late in a step has nearly a step less than one started at its start.
+    late_start_cutoff: float = key(0.7, "inflight='auto': no fresh group starts once this fraction of the step's "
+                                        "groups is delivered (a later start has fewer steps before the staleness "
+                                        "cap); 1: no cutoff", gt=0, le=1)
     buffer_capacity: int = key(1024, "most groups the partial buffer holds; the oldest are evicted beyond it", gt=0)
     temperature: float = key(1.0, "sampling temperature (0: greedy); the loss's logprobs use the same one",
                              ge=0, finite=True)
@@ -128,7 +134,7 @@ class April:
         cfg, target = self.cfg, self.cfg.rollout_batch_size
         t0, s0 = engine.now(), engine.stats()
         m = dict(aborted=0, resumed=0, dropped_tokens=0, stale_restarts=0, stale_dropped_groups=0,
-                 zero_std_groups=0, evicted_groups=0, reward_wait_s=0.0)
+                 zero_std_groups=0, evicted_groups=0, reward_wait_s=0.0, late_start=-1.0)
         delivered: list[Group] = []
         surplus: list[Group] = []
         inflight: dict[str, Group] = {}
@@ -152,8 +158,11 @@ class April:
 
         limit = self.inflight_limit(engine)
 
+        def progress() -> float:  # fraction of the step's groups delivered: where in the step a start falls
+            return len(delivered) / target
+
         def room(new_groups: int) -> bool:
-            if len(requests) + (new_groups + 1) * cfg.n_samples_per_prompt > limit:
+            if len(requests) + (new_groups + 1) * cfg.n_samples_per_prompt > self.inflight_limit(engine, progress()):
                 return False
             if cfg.refill == "members":  # new groups are not submitted yet: count their members too
                 return len(requests) / cfg.n_samples_per_prompt + new_groups < cfg.over_sampling_batch_size
@@ -163,15 +172,22 @@ class April:
             return (len(delivered) + sum(weight[gid] for gid in inflight) + sum(weight[gid] for gid in scoring)
                     < cfg.over_sampling_batch_size)
 
+        def too_late() -> bool:
+            """inflight=auto, past the cutoff: a fresh response would have too few steps before its cap;
+            one still starts if the groups in flight could not meet the target without it."""
+            return (cfg.inflight == "auto" and progress() >= cfg.late_start_cutoff
+                    and len(inflight) + len(scoring) >= target - len(delivered))
+
         def fresh_groups() -> list[Group]:
             out = []
-            while room(len(out)) and len(delivered) < target:
+            while room(len(out)) and len(delivered) < target and not too_late():
                 g = self._new_group()
                 if g is None:
                     break
                 inflight[g.group_id] = g
                 weight[g.group_id] = 1.0
                 out.append(g)
+                m["late_start"] = max(m["late_start"], progress())
             return out
 
         def accept(g: Group) -> None:
@@ -248,17 +264,20 @@ class April:
             m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
         for g in delivered:
             self._remember_lengths(g)
-        return delivered, {**self._metrics(delivered, version, m, engine, t0, s0), "rollout/inflight_limit": limit}
+        # the largest fraction of the step's groups delivered when a fresh group started (-1: none started)
+        return delivered, {**self._metrics(delivered, version, m, engine, t0, s0), "rollout/inflight_limit": limit,
+                           "rollout/fresh_start_progress_max": m["late_start"]}
 
     # ---- pieces ----
     # Fraction of the KV budget the in-flight contexts may fill on average: the sum of running
     # contexts moves around its mean, and an overflow costs a preemption (a re-prefill).
     KV_FILL = 0.85
-    # Steps beyond max_staleness a response may span: it starts somewhere within its first step.
-    STALENESS_HEADROOM = 0.0
 
-    def inflight_limit(self, engine: EngineProtocol) -> int:
-        """Requests allowed in flight this step (see RolloutConfig.inflight)."""
+    def inflight_limit(self, engine: EngineProtocol, progress: float = 0.0) -> int:
+        """Requests allowed in flight when a fraction `progress` of the step's groups is delivered
+        (see RolloutConfig.inflight). A response started then has max_staleness + 1 - progress steps
+        of time before its cap (the rest of this step and max_staleness more), so the limit is sized
+        for those: highest at the step's start, max_staleness steps' worth at its end."""
         cfg, n = self.cfg, self.cfg.n_samples_per_prompt
         limit = cfg.over_sampling_batch_size * n
         if cfg.inflight != "auto":
@@ -268,7 +287,7 @@ class April:
             limit = min(limit, cfg.rollout_batch_size * n)
         else:
             per_step = cfg.rollout_batch_size * n * seen["tokens"] / seen["responses"]
-            steps = max(cfg.max_staleness + self.STALENESS_HEADROOM, 0.5)
+            steps = max(cfg.max_staleness + 1 - progress, 0.5)
             limit = min(limit, int(steps * per_step / cfg.max_response_len))
         budget = engine.kv_budget_tokens
         if math.isfinite(budget):

@@ -20,6 +20,11 @@ from april_jax.rollout.types import Request, Result
 
 
 class SimReplicas(PollingEngine):
+    # A replica's decode step reads its running contexts, and each of its responses advances one token
+    # per step: routed by request count alone, one replica can gather the long contexts, step slower
+    # than the others and push its long responses past their staleness cap (issue 13, session 7).
+    ROUTE_CONTEXT_TOKENS = 16384
+
     def __init__(self, replicas: int, *, slots: int = 256, cost=None, **engine_kw):
         if replicas <= 0:
             raise ValueError(f"--replicas must be > 0, got {replicas}")
@@ -42,8 +47,9 @@ class SimReplicas(PollingEngine):
     def _replica_for(self, key: str) -> SimEngine:
         group = group_of(key)
         if group not in self.route:
-            # Least outstanding requests; ties to the lowest index.
-            load = [len(r.queue) + len(r.running) for r in self.replicas]
+            # Least outstanding requests, a running context of ROUTE_CONTEXT_TOKENS counting as one
+            # more; ties to the lowest index.
+            load = [len(r.queue) + len(r.running) + r.running_ctx / self.ROUTE_CONTEXT_TOKENS for r in self.replicas]
             self.route[group] = min(range(len(load)), key=load.__getitem__)
         return self.replicas[self.route[group]]
 
