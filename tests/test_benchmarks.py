@@ -65,3 +65,19 @@ def test_engine_benchmark_runs_and_matches_transformers_greedy():
     (row,) = out["results"]
     assert row["batch"] == 2 and row["greedy_identical_frac"] == 1.0
     assert row["jax_engine_tokens_per_s"] > 0 and row["hf_generate_tokens_per_s"] > 0
+
+
+def test_april_vs_sync_summary_takes_the_compiles_out_of_the_steady_median():
+    """Rollout seconds 1.0 / 0.2 / 2.5 / 0.3 / 0.4 after step 0, of which 0 / 0 / 2.2 / 0 / 0 compiling:
+    the median is 0.4 with compiles, 0.3 without (hand-computed)."""
+    sys.path.insert(0, str(BENCH))
+    import april_vs_sync
+
+    rollout, compile_s = [9.0, 1.0, 0.2, 2.5, 0.3, 0.4], [8.0, 0.0, 0.0, 2.2, 0.0, 0.0]
+    rows = [{"step": i, "time/rollout_s": r, "time/rollout_compile_s": c, "time/train_s": 0.1, "time/elapsed_s": i + 1.0,
+             "reward/mean": 0.5, "rollout/occupancy": 0.9, "rollout/response_len/mean": 8.0, "rollout/aborted": 0}
+            for i, (r, c) in enumerate(zip(rollout, compile_s))]
+    summary = april_vs_sync.summarize(rows, threshold=0.9)
+    assert summary["median_rollout_s"] == 0.4
+    assert abs(summary["median_rollout_steady_s"] - 0.3) < 1e-12
+    assert summary["rollout_compile_s"] == 10.2
