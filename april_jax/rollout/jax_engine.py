@@ -122,8 +122,8 @@ class JaxEngine(PollingEngine):
         # Decode steps per jitted call (vLLM's multi-step scheduling): the host loop, transfers and
         # dispatch are paid once per call; free slots are refilled and aborts land between calls.
         self.decode_steps_per_call = decode_steps_per_call
-        # Requests with the same prompt share one prefill row; a refill of M rows prefills either M
-        # rows or M / share rows (two programs per row count, all compiled by `warmup`).
+        # Requests with the same prompt share one prefill row; a refill of M rows prefills a power
+        # of two of rows from M / share to M (the programs `warmup` compiles).
         self.prefill_share = pow2_at_least(max(samples_per_prompt, 1))
         self.max_model_len = max_model_len
         self.kv_budget_tokens = math.inf  # every slot has its own max_model_len row: slots bound concurrency
@@ -229,7 +229,7 @@ class JaxEngine(PollingEngine):
             for bucket in self.buckets:
                 for rows in self._batch_buckets():
                     z = np.zeros(rows, np.int32)
-                    for prompts in sorted({rows, max(1, rows // self.prefill_share)}):
+                    for prompts in self._prefill_row_counts(rows):
                         self._cache, *_ = P.prefill(
                             self._state, self._cache, jnp.zeros(S, jnp.int32), jnp.full(rows, S, jnp.int32),
                             jnp.arange(rows, dtype=jnp.int32) % prompts, jnp.zeros((prompts, bucket), jnp.int32),
@@ -310,6 +310,14 @@ class JaxEngine(PollingEngine):
         S = self.max_num_seqs
         return sorted({min(max(1 << i, smallest), S) for i in range((S - 1).bit_length() + 1)})
 
+    def _prefill_row_counts(self, rows: int) -> list[int]:
+        """The prefill row counts a start of `rows` requests may use: powers of two from rows / share."""
+        counts, n = [], max(1, rows // self.prefill_share)
+        while n < rows:
+            counts.append(n)
+            n *= 2
+        return counts + [rows]
+
     def _rows_bucket(self, n: int) -> int:
         """Row count of a decode or extend call over n busy rows."""
         if not self.compact_decode:
@@ -341,8 +349,8 @@ class JaxEngine(PollingEngine):
             for _, request, _, n in items:
                 prefixes.setdefault(request.prompt_ids[:n], len(prefixes))
             rows = pow2_at_least(len(items), self.max_num_seqs)
-            shared_rows = max(1, rows // self.prefill_share)
-            prefill_rows = shared_rows if len(prefixes) <= shared_rows else rows
+            # a power of two of rows, from rows / share (every group whole) up to rows
+            prefill_rows = min(rows, max(rows // self.prefill_share, pow2_at_least(len(prefixes)), 1))
             tokens, lengths = np.zeros((prefill_rows, bucket), np.int32), np.ones(prefill_rows, np.int32)
             for prefix, r in prefixes.items():
                 tokens[r, : len(prefix)], lengths[r] = prefix, len(prefix)
