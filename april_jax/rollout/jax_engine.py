@@ -279,7 +279,8 @@ class JaxEngine(PollingEngine):
             slots=self.max_num_seqs, busy_slots=len(self._slots.slot_of), queued=len(self._queue),
             tokens_generated=s["tokens_generated"], prefill_tokens=s["prefill_tokens"],
             decode_steps=s["decode_steps"], busy_slot_steps=s["busy_slot_steps"], aborted=s["aborted"],
-            errors=s["errors"], policy_version=self.policy_version, model_s=s["model_s"], model_calls=s["model_calls"],
+            errors=s["errors"], policy_version=self.policy_version, model_s=s["model_s"],
+            model_calls=s["model_calls"],
             decode_calls=s["decode_calls"], computed_slot_steps=s["computed_slot_steps"], engine_s=s["engine_s"],
             host_s=s["engine_s"] - s["model_s"],
             kv_cache_bytes=0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
@@ -327,9 +328,9 @@ class JaxEngine(PollingEngine):
     def _start(self, starting: list[tuple[int, Request, int]]) -> None:
         """Start requests in free slots. Parked rows come back without a prefill. The rest are
         prefilled from their shared prefix (`Request.shared_prefix_len`, a group's prompt; else
-        the whole prompt), one prefill row per distinct prefix, grouped by bucket length; the
-        requests with more tokens after that prefix (resumed members) then take those tokens in
-        one batched extend call over their own slots."""
+        the whole prompt), one prefill row per distinct prefix, one call per length bucket (or
+        per merged buckets, `merge_padding_tokens`); the requests with more tokens after that
+        prefix (resumed members) then take those tokens in one extend call per suffix bucket."""
         if self._parking is not None and len(self._parking):
             starting = self._restore_parked(starting)
         by_bucket, suffixed = collections.defaultdict(list), []
