@@ -157,7 +157,7 @@ def test_inflight_auto_sizes_requests_by_the_staleness_cap_and_the_kv_budget(max
         expected = cfg.rollout_batch_size * 4
         if seen["responses"]:
             per_step = 4 * 4 * seen["tokens"] / seen["responses"]
-            expected = min(16 * 4, int((max_staleness + 1) * per_step / 2048))  # at the step's start
+            expected = min(16 * 4, int((max_staleness + 1 + cfg.inflight_headroom) * per_step / 2048))  # at the step's start
         ctx = seen["ctx"] / seen["tokens"] if seen["tokens"] else 1024
         expected = max(min(expected, int(0.85 * 2 * cost.kv_budget_tokens / ctx)), 4)
         wrapped.peak = wrapped.now_out  # 0: every request was aborted at the last step's end
@@ -180,13 +180,16 @@ def test_inflight_auto_limit_shrinks_over_the_step_by_the_steps_a_start_has_left
     """A response started when a fraction f of the step's groups is delivered has max_staleness + 1 - f
     steps before its cap: 4 x 4 responses of 1000 tokens per step, max_response_len 2048, cap 2:
     R = int((3 - f) x 16000 / 2048) = 23 at the start, 19 half-way, 15 at the end (the old
-    max_staleness-steps sizing), within over-sampling 16 x 4; the KV budget (CPU model) is unbounded."""
+    max_staleness-steps sizing), within over-sampling 16 x 4; the KV budget (CPU model) is unbounded.
+    inflight_headroom h adds h steps: int((3.5 - f) x 16000 / 2048) = 27, 23, 19 at h = 0.5."""
     cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=16,
-                        max_response_len=2048, max_staleness=2, inflight="auto")
+                        max_response_len=2048, max_staleness=2, inflight="auto", inflight_headroom=0.0)
     april = April(cfg, prompt_stream())
     april.seen = {"responses": 16, "tokens": 16_000, "ctx": 16 * (1000 * 8 + 1000 * 999 // 2)}
     engine = SimEngine(slots=64)
     assert [april.inflight_limit(engine, f) for f in (0.0, 0.5, 1.0)] == [23, 19, 15]
+    april.cfg = dataclasses.replace(cfg, inflight_headroom=0.5)
+    assert [april.inflight_limit(engine, f) for f in (0.0, 0.5, 1.0)] == [27, 23, 19]
     assert April(dataclasses.replace(cfg, inflight="over_sampling"), prompt_stream()).inflight_limit(engine, 0.5) == 64
 
 
@@ -204,6 +207,34 @@ def test_inflight_auto_starts_no_fresh_group_past_the_late_start_cutoff(cutoff):
         assert max(late) < cutoff
     else:
         assert max(late) >= 0.5
+
+
+def test_finish_wait_saves_groups_at_their_last_allowed_version():
+    """inflight="auto" with finish_wait: once the target is met, the engine keeps going (no fresh start)
+    while a response that would pass max_staleness at the next step is in flight, and a group that
+    finishes then is delivered in place of the freshest delivered group, which waits in the buffer
+    within its cap. Against finish_wait 0 on the same run: fewer responses restarted at the cap, some
+    groups swapped, each wait within finish_wait mean step times, and nothing lost, delivered twice
+    or past the cap either way."""
+    runs = {}
+    for wait in (0.0, 1.0):
+        cfg = RolloutConfig(rollout_batch_size=16, n_samples_per_prompt=4, over_sampling_batch_size=32,
+                            max_response_len=2048, max_staleness=2, stop_token_ids=(0,), refill="members",
+                            inflight="auto", finish_wait=wait, inflight_headroom=0.75)
+        engine = SimReplicas(2, slots=64, cost=cost_model.make("h200-qwen3-4b"), seed=3, length_scale=1 / 16,
+                             reuse_aborted_kv=True)
+        april, engine, delivered = run_steps(cfg, 14, engine=engine)
+        check_invariants(cfg, april, delivered)
+        metrics = [m for _, _, m in delivered]
+        runs[wait] = metrics
+        waits = [m["rollout/finish_wait_s"] for m in metrics]
+        assert waits[0] == 0  # no step time measured yet
+        assert (max(waits) > 0) == (wait > 0)
+        assert_bounds_hold(engine.cost, cfg, delivered, engine, replicas=2, slots=64)
+    restarts = {w: sum(m["rollout/stale_restarts"] for m in ms) for w, ms in runs.items()}
+    assert restarts[1.0] < restarts[0.0]
+    assert sum(m["rollout/swapped_groups"] for m in runs[1.0]) > 0
+    assert sum(m["rollout/swapped_groups"] for m in runs[0.0]) == 0
 
 
 def test_member_refill_keeps_the_engine_full_where_group_counting_drains_it():

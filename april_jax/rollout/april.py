@@ -100,6 +100,16 @@ class RolloutConfig:
     late_start_cutoff: float = key(0.7, "inflight='auto': no fresh group starts once this fraction of the step's "
                                         "groups is delivered (a later start has fewer steps before the staleness "
                                         "cap); 1: no cutoff", gt=0, le=1)
+    # Issue 13, session 8: the staleness cap throws away a whole group when its longest member misses
+    # it by a little (its finished members too); these two let the nearly-late ones through.
+    finish_wait: float = key(1.0, "inflight='auto': once the step's groups are delivered, keep generating (no fresh "
+                                  "start) for up to this many mean step times while a response that would pass "
+                                  "max_staleness at the next step is in flight; a group finished then takes the "
+                                  "place of the freshest delivered one, which waits in the buffer; 0: off", ge=0,
+                             finite=True)
+    inflight_headroom: float = key(0.75, "inflight='auto': steps of time added to the staleness sizing of the "
+                                         "requests in flight (more in flight, more responses finished late, which "
+                                         "finish_wait saves)", ge=0, finite=True)
     buffer_capacity: int = key(1024, "most groups the partial buffer holds; the oldest are evicted beyond it", gt=0)
     temperature: float = key(1.0, "sampling temperature (0: greedy); the loss's logprobs use the same one",
                              ge=0, finite=True)
@@ -128,13 +138,14 @@ class April:
         self.exhausted = False
         # delivered responses so far, for inflight="auto": count, tokens, sum of the contexts their tokens read
         self.seen = {"responses": 0, "tokens": 0, "ctx": 0}
+        self.step_time = [0.0, 0]  # engine seconds of the steps so far, and their number (finish_wait's unit)
 
     # ---- the step ----
     def collect(self, engine: EngineProtocol, version: int) -> tuple[list[Group], dict]:
         cfg, target = self.cfg, self.cfg.rollout_batch_size
         t0, s0 = engine.now(), engine.stats()
         m = dict(aborted=0, resumed=0, dropped_tokens=0, stale_restarts=0, stale_dropped_groups=0,
-                 zero_std_groups=0, evicted_groups=0, reward_wait_s=0.0, late_start=-1.0)
+                 zero_std_groups=0, evicted_groups=0, reward_wait_s=0.0, late_start=-1.0, swapped=0)
         delivered: list[Group] = []
         surplus: list[Group] = []
         inflight: dict[str, Group] = {}
@@ -196,6 +207,18 @@ class April:
                 self.dropped[g.prompt.uid] = "filtered"
             elif len(delivered) < target:
                 delivered.append(g)
+            elif cfg.inflight == "auto" and cfg.finish_wait > 0 and self._group_at_risk(g, version):
+                # it would be past the cap at the next step: it takes the place of the freshest delivered
+                # group that would not, which waits in the buffer instead (the target and cap still hold)
+                fresh = [x for x in delivered if not self._group_at_risk(x, version)]
+                if fresh:
+                    x = max(fresh, key=lambda x: min(self._first_version(s, version) for s in x.samples))
+                    delivered.remove(x)
+                    surplus.append(x)
+                    delivered.append(g)
+                    m["swapped"] += 1
+                else:
+                    surplus.append(g)
             else:
                 surplus.append(g)
 
@@ -244,6 +267,23 @@ class April:
             harvest()
             submit(fresh_groups())
 
+        # 2b. (inflight=auto) before terminating, let the responses that would pass their cap at the next
+        # step finish (restarting one throws away its group's tokens); nothing fresh starts meanwhile
+        wait_start = engine.now()
+        if cfg.inflight == "auto" and cfg.partial_rollout and cfg.finish_wait > 0 and self.step_time[1]:
+            deadline = wait_start + cfg.finish_wait * self.step_time[0] / self.step_time[1]
+            while (engine.has_unfinished() and engine.now() < deadline
+                   and any(self._at_risk(s, version) for s in requests.values())):
+                for result in engine.step():
+                    sample = requests.pop(result.request_id)
+                    group = inflight[sample.group_id]
+                    self._absorb(sample, result, group.prompt)
+                    if group.complete:
+                        del inflight[group.group_id]
+                        score(group)
+                harvest()
+        m["finish_wait_s"] = engine.now() - wait_start
+
         # 3. active termination
         for result in engine.abort_all():
             m["aborted"] += 1
@@ -264,14 +304,28 @@ class April:
             m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
         for g in delivered:
             self._remember_lengths(g)
+        self.step_time = [self.step_time[0] + engine.now() - t0, self.step_time[1] + 1]
         # the largest fraction of the step's groups delivered when a fresh group started (-1: none started)
         return delivered, {**self._metrics(delivered, version, m, engine, t0, s0), "rollout/inflight_limit": limit,
-                           "rollout/fresh_start_progress_max": m["late_start"]}
+                           "rollout/fresh_start_progress_max": m["late_start"],
+                           "rollout/finish_wait_s": m["finish_wait_s"], "rollout/swapped_groups": m["swapped"]}
 
     # ---- pieces ----
     # Fraction of the KV budget the in-flight contexts may fill on average: the sum of running
     # contexts moves around its mean, and an overflow costs a preemption (a re-prefill).
     KV_FILL = 0.85
+
+    @staticmethod
+    def _first_version(s: Sample, version: int) -> int:
+        """The policy version of a response's first token (`version` if it has none yet)."""
+        return min(s.response_versions) if s.response_versions else version
+
+    def _at_risk(self, s: Sample, version: int) -> bool:
+        """Past max_staleness at the next step (version + 1) unless delivered in this one."""
+        return version + 1 - self._first_version(s, version) > self.cfg.max_staleness
+
+    def _group_at_risk(self, g: Group, version: int) -> bool:
+        return any(self._at_risk(s, version) for s in g.samples)
 
     def inflight_limit(self, engine: EngineProtocol, progress: float = 0.0) -> int:
         """Requests allowed in flight when a fraction `progress` of the step's groups is delivered
@@ -287,7 +341,7 @@ class April:
             limit = min(limit, cfg.rollout_batch_size * n)
         else:
             per_step = cfg.rollout_batch_size * n * seen["tokens"] / seen["responses"]
-            steps = max(cfg.max_staleness + 1 - progress, 0.5)
+            steps = max(cfg.max_staleness + 1 - progress, 0.5) + cfg.inflight_headroom
             limit = min(limit, int(steps * per_step / cfg.max_response_len))
         budget = engine.kv_budget_tokens
         if math.isfinite(budget):
@@ -424,7 +478,8 @@ class April:
     # ---- checkpointing ----
     def state_dict(self) -> dict:
         return {"buffer": self.buffer.state_dict(), "next_group": self.next_group, "drawn": self.drawn,
-                "dropped": dict(self.dropped), "length_history": dict(self.length_history), "seen": dict(self.seen)}
+                "dropped": dict(self.dropped), "length_history": dict(self.length_history), "seen": dict(self.seen),
+                "step_time": list(self.step_time)}
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state["buffer"])
@@ -432,3 +487,5 @@ class April:
         self.dropped = dict(state["dropped"])
         self.length_history = {k: float(v) for k, v in state["length_history"].items()}
         self.seen = {k: int(v) for k, v in state.get("seen", {"responses": 0, "tokens": 0, "ctx": 0}).items()}
+        total, n = state.get("step_time", (0.0, 0))
+        self.step_time = [float(total), int(n)]
