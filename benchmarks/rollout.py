@@ -117,7 +117,9 @@ def rollout_config(mode: str, args) -> RolloutConfig:
                          over_sampling_batch_size=32 if sync else args.over_sampling, partial_rollout=not sync,
                          max_response_len=args.max_response_len, max_staleness=args.max_staleness, temperature=1.0,
                          refill="groups" if sync else args.refill, resume_count=args.resume_count,
-                         stale_policy=args.stale_policy, inflight="over_sampling" if sync else args.inflight)
+                         stale_policy=args.stale_policy, inflight="over_sampling" if sync else args.inflight,
+                         **{k: getattr(args, k) for k in ("finish_wait", "inflight_headroom")
+                            if getattr(args, k, None) is not None})
 
 
 def run(mode: str, args) -> dict:
@@ -179,6 +181,9 @@ def run(mode: str, args) -> dict:
            "buffered_token_frac": (useful - buffered_before) / max(useful, 1),
            "off_policy_token_frac": 1 - on_policy / delivered_tokens,
            "dropped_tokens": sum(m["rollout/dropped_tokens"] for m in window),
+           # inflight=auto's finish_wait: engine time spent past the target, and groups delivered in a fresher one's place
+           "finish_wait_s": sum(m.get("rollout/finish_wait_s", 0.0) for m in window),
+           "swapped_groups": sum(m.get("rollout/swapped_groups", 0) for m in window),
            "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in window) / delivered_tokens,
            "occupancy": float(np.mean([m["rollout/occupancy"] for m in window])),
            "on_policy_token_frac": on_policy / delivered_tokens, "mean_loss_weight": weight / delivered_tokens,
@@ -235,6 +240,10 @@ def main():
     parser.add_argument("--resume-count", choices=["fraction", "group"], default="fraction")
     parser.add_argument("--inflight", choices=["over_sampling", "auto"], default=None,
                         help="APRIL's in-flight limit (default: auto on a roofline preset, else over_sampling)")
+    parser.add_argument("--finish-wait", type=float, default=None,
+                        help="inflight=auto: rollout.finish_wait (default: the config's, 1.0; 0: off)")
+    parser.add_argument("--inflight-headroom", type=float, default=None,
+                        help="inflight=auto: rollout.inflight_headroom (default: the config's, 0.75)")
     parser.add_argument("--prefill-ms-per-token", type=float, default=None,
                         help="--cost cpu-jax only; default: the CPU-calibrated 0.73")
     parser.add_argument("--step-overhead-ms", type=float, default=None, help="roofline presets: per decode step (default 1)")
@@ -305,6 +314,8 @@ def compare(args) -> dict:
         "april_delivered_tokens_per_s": round(april["delivered_tokens_per_s"], 1),
         "april_buffered_token_frac": round(april["buffered_token_frac"], 4),
         "april_staleness_max": april["staleness_max"],
+        "april_finish_wait_frac": round(april["finish_wait_s"] / april["time_s"], 4) if april.get("time_s") else 0.0,
+        "april_swapped_groups": april["swapped_groups"],
     }
     for name, r in (("april", april), ("sync", sync)):
         for key in ("on_policy_token_frac", "mean_loss_weight", "delivered_len_mean"):

@@ -24,16 +24,18 @@ BASE = dict(engine="sim", cost="h200-qwen3-4b", replicas=8, steps=20, warmup_ste
             length_scale=1.0, max_response_len=32768, prompt_len=64, over_sampling=64, max_staleness=5,
             stale_policy="restart", refill="groups", resume_count="fraction", prefill_ms_per_token=None,
             step_overhead_ms=None, min_prefill_batch=1, reuse_aborted_kv=False, decode_steps_per_call=8,
-            inflight="over_sampling")
+            inflight="over_sampling", finish_wait=None, inflight_headroom=None)
 # The design of issue 13 at the product's staleness cap (at most 5 policy versions per response:
 # max_staleness 4): refill as members finish, aborted KV parked within the budget, and the requests
-# in flight sized by the cap and the KV budget (inflight="auto").
+# in flight sized by the cap and the KV budget (inflight="auto"), with the config's finish_wait and
+# inflight_headroom (session 8).
 DESIGN = dict(refill="members", reuse_aborted_kv=True, over_sampling=64, max_staleness=4, inflight="auto")
 # The orchestrator before issue 13 (the paper's counting: over-sampled groups drain, no refill).
 BEFORE = dict(refill="groups", resume_count="fraction", reuse_aborted_kv=False, over_sampling=64, max_staleness=4)
 
 SECTIONS = {
     "headline": [("design (members refill, parked KV, inflight auto, cap 4)", DESIGN),
+                 ("design without finish_wait and headroom (session 7's design)", {**DESIGN, "finish_wait": 0.0, "inflight_headroom": 0.0}),
                  ("design, in flight by over-sampling only (session 5's design at cap 4)", {**DESIGN, "inflight": "over_sampling"}),
                  ("before issue 13 (groups k/n, re-prefill, cap 4)", BEFORE),
                  ("before, a resumed group counts whole (slime)", {**BEFORE, "resume_count": "group"})],
