@@ -110,6 +110,9 @@ class Rollout(RolloutConfig):
                                        "exceeds that compute)", ge=0)
     reuse_aborted_kv: bool = key(False, "jax engine: resume partial responses from their parked KV cache "
                                         "(no re-prefill)")
+    hold_aborted_kv: bool = key(False, "jax engine: an aborted response's KV stays in its slot until the response "
+                                       "resumes there (no re-prefill, no copy) or the slot is needed; needs "
+                                       "free_kv_cache_in_train=false to survive the train step")
     free_kv_cache_in_train: bool = key(True, "jax engine: free its KV cache during train steps "
                                              "(verl's free_cache_engine)")
     engine_devices: int = key(0, "jax engine: how many of process 0's devices it runs on (a copy of the weights, "

@@ -119,7 +119,8 @@ def build_engine(c, model, max_model_len: int, version: int) -> EngineProtocol:
                          policy_version=version, decode_steps_per_call=c.rollout.decode_steps_per_call,
                          reuse_aborted_kv=c.rollout.reuse_aborted_kv, samples_per_prompt=c.rollout.n_samples_per_prompt,
                          free_kv_in_sleep=c.rollout.free_kv_cache_in_train,
-                         merge_padding_tokens=c.rollout.merge_padding_tokens)
+                         merge_padding_tokens=c.rollout.merge_padding_tokens,
+                         hold_aborted_kv=c.rollout.hold_aborted_kv)
     if c.rollout.engine == "sim":
         from april_jax.rollout.sim_engine import SimEngine
 
@@ -393,6 +394,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
                     "data": train_prompts.state_dict(), "april": april.state_dict(), "rng": rng,
                     "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
             ckpt.save(step + 1, trainer.params, trainer.opt_state, meta)
+            if hasattr(engine, "release_held"):  # a run resumed from here holds no KV: neither does this one
+                engine.release_held()
             metrics["time/ckpt_s"] = time.perf_counter() - t4
             save_due, last_good = False, step + 1
         metrics.update({"reward/failures": reward.failures, "reward/timeouts": reward.timeouts})  # eval's too

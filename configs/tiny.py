@@ -36,6 +36,10 @@ def get_config():
     # a call costs ~3-5 ms here whatever its size (RESULTS.md, issue 14, session 7): pad prompts and
     # resumed partials into one prefill / extend call rather than one per length bucket
     c.rollout.merge_padding_tokens = 1024
+    # an aborted response keeps its KV in its slot and resumes there next step (no re-prefill); the
+    # tiny cache (~1.5 MB) stays allocated through the train step so that it survives
+    c.rollout.hold_aborted_kv = True
+    c.rollout.free_kv_cache_in_train = False
 
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
     c.optimizer.lr = 5e-4  # 1e-3 learned faster but eroded on some seeds (RESULTS.md, issue 14, session 7)

@@ -68,14 +68,15 @@ def extend(graphdef, state, cache: KVCache, next_token_S, rows_M, tokens_MT, len
 
 
 def decode(graphdef, state, cache: KVCache, next_token_S, rows_B, active_B, temperature_B, top_p_B, top_k_B, seeds_B,
-           steps_B, limits_B, stop_ids_BP, max_steps, *, mode, num_positions, steps_per_call):
+           steps_B, limits_B, stop_ids_BP, max_steps, *, mode, num_positions, steps_per_call, in_place=False):
     """Up to `max_steps` (<= steps_per_call) decode steps for rows `rows_B` of the cache. A row
     stops (and its cache stops growing) after a stop token or when its token count reaches
     `limits_B`. Outputs are [steps_per_call, B] tokens, logprobs and whether the row was active
     at that step (all False for steps not run)."""
     TRACES["decode"] += 1
     model = nnx.merge(graphdef, state)
-    small = cache.take_rows(rows_B, num_positions)
+    # in_place: every slot, the whole cache (rows_B = all slots): no gather, no write-back copy
+    small = cache if in_place else cache.take_rows(rows_B, num_positions)
     start_B = small.lengths_B
     tokens_B = next_token_S[jnp.minimum(rows_B, next_token_S.shape[0] - 1)]
     K, B = steps_per_call, rows_B.shape[0]
@@ -97,7 +98,7 @@ def decode(graphdef, state, cache: KVCache, next_token_S, rows_B, active_B, temp
 
     _, small, *_, (tokens_KB, logprobs_KB, active_KB) = jax.lax.while_loop(
         more, one_step, (jnp.int32(0), small, tokens_B, active_B, steps_B, outputs))
-    cache = cache.put_new_positions(rows_B, small, start_B, K)
+    cache = small if in_place else cache.put_new_positions(rows_B, small, start_B, K)
     return cache, tokens_KB, logprobs_KB, active_KB
 
 
@@ -113,7 +114,7 @@ def compiled(graphdef) -> Programs:
     the cache donated."""
     jit = lambda f, *static: jax.jit(partial(f, graphdef), static_argnames=("mode", *static),
                                      donate_argnames=("cache",))
-    return Programs(jit(prefill), jit(extend, "num_positions"), jit(decode, "num_positions", "steps_per_call"))
+    return Programs(jit(prefill), jit(extend, "num_positions"), jit(decode, "num_positions", "steps_per_call", "in_place"))
 
 
 def pow2_at_least(n: int, cap: int | None = None) -> int:

@@ -108,7 +108,9 @@ class JaxEngine(PollingEngine):
                  policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8,
                  reuse_aborted_kv: bool = False, samples_per_prompt: int = 1, free_kv_in_sleep: bool = True,
                  compact_decode: bool = True, timeline_points: int = TIMELINE_POINTS,
-                 merge_padding_tokens: int = 0):
+                 merge_padding_tokens: int = 0, hold_aborted_kv: bool = False):
+        if reuse_aborted_kv and hold_aborted_kv:
+            raise ValueError("JaxEngine: reuse_aborted_kv and hold_aborted_kv are two ways of the same thing; pick one")
         if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
             raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
                              f"decode_steps_per_call={decode_steps_per_call} must be positive")
@@ -147,6 +149,13 @@ class JaxEngine(PollingEngine):
         # re-prefill (see kv_park.py for what that trades).
         self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache_dtype) \
             if reuse_aborted_kv else None
+        # Opt-in: an aborted row stays in its slot, held until a request with exactly its tokens
+        # resumes it there (no device call at all) or its slot is needed (oldest first). Held rows
+        # are lost when `sleep` frees the cache.
+        self.hold_aborted_kv = hold_aborted_kv
+        self._held: dict[tuple, list[int]] = {}  # tokens -> the slots holding them (identical partials: several)
+        self._held_order: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # slot -> tokens, oldest first
+        self._held_mask = np.zeros(max_num_seqs, bool)
         self._slots = Slots(max_num_seqs, max_model_len)
         self._queue: collections.deque[tuple[Request, int]] = collections.deque()
         self._ready: list[Result] = []  # finished outside a step (bad requests)
@@ -176,8 +185,13 @@ class JaxEngine(PollingEngine):
             raise RuntimeError("JaxEngine.step while asleep: call wake_up() first")
         t = time.perf_counter()
         finished, self._ready = self._ready, []
-        free = np.flatnonzero(~self._slots.active)
-        enough = len(free) >= min(self.min_prefill_batch, len(self._queue)) or len(free) == self.max_num_seqs
+        if self._held and self._queue:
+            self._resume_held()
+        free = np.flatnonzero(~self._slots.active & ~self._held_mask)
+        if self._held_order and len(self._queue) > len(free):
+            self._release_held(len(self._queue) - len(free))
+            free = np.flatnonzero(~self._slots.active & ~self._held_mask)
+        enough = len(free) >= min(self.min_prefill_batch, len(self._queue)) or not self._slots.active.any()
         if self._queue and len(free) and enough:
             self._start([(int(slot), *self._queue.popleft()) for slot in free[: len(self._queue)]])
         busy = np.flatnonzero(self._slots.active)
@@ -200,6 +214,13 @@ class JaxEngine(PollingEngine):
             self._parking.park(self._cache, [(i, slots.token_ids(i)) for i in stopped])
             self._stats["model_s"] += time.perf_counter() - m
             self._stats["model_calls"] += 1
+        if self.hold_aborted_kv:
+            for i in stopped:
+                key = slots.token_ids(i)
+                self._held.setdefault(key, []).append(i)
+                self._held_order[i] = key
+                self._held_mask[i] = True
+                self._stats["kv_parked"] += 1
         out += [slots.result(i, "abort") for i in stopped]
         slots.end(stopped)
         self._stats["aborted"] += len(out)
@@ -243,6 +264,13 @@ class JaxEngine(PollingEngine):
                         np.zeros(rows, bool), z.astype(np.float32), np.ones(rows, np.float32), z, z, z, z,
                         np.full((rows, self._slots.stop_ids.shape[1]), -1, np.int32), np.int32(1), mode=mode,
                         num_positions=length, steps_per_call=self.decode_steps_per_call)
+            if self.compact_decode:  # every slot busy: the in-place program (see _decode_step)
+                z = np.zeros(S, np.int32)
+                self._cache, *_ = P.decode(
+                    self._state, self._cache, jnp.zeros(S, jnp.int32), np.arange(S, dtype=np.int32), np.zeros(S, bool),
+                    z.astype(np.float32), np.ones(S, np.float32), z, z, z, z,
+                    np.full((S, self._slots.stop_ids.shape[1]), -1, np.int32), np.int32(1), mode=mode,
+                    num_positions=self.max_model_len, steps_per_call=self.decode_steps_per_call, in_place=True)
         self._cache = self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32))
 
     def sleep(self) -> None:
@@ -252,6 +280,7 @@ class JaxEngine(PollingEngine):
             return
         if self.num_unfinished():
             raise RuntimeError(f"JaxEngine.sleep: {self.num_unfinished()} requests still in flight; abort them first")
+        self._release_held(len(self._held_order))
         for x in jax.tree.leaves(self._cache):
             x.delete()
         self._cache, self._next_token_dev, self._asleep = None, None, True
@@ -284,7 +313,7 @@ class JaxEngine(PollingEngine):
             decode_calls=s["decode_calls"], computed_slot_steps=s["computed_slot_steps"], engine_s=s["engine_s"],
             host_s=s["engine_s"] - s["model_s"],
             kv_cache_bytes=0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
-            **{f"kv_{name}": getattr(self._parking, name, 0) for name in ("parked", "reused", "evicted")})
+            **{f"kv_{name}": getattr(self._parking, name, 0) + s[f"kv_{name}"] for name in ("parked", "reused", "evicted")})
 
     def rng_state(self) -> dict:
         """The request-seed generator's state (JSON-able); a checkpoint keeps it for a bit-identical resume."""
@@ -301,6 +330,7 @@ class JaxEngine(PollingEngine):
 
     def shutdown(self) -> None:
         self.abort_all()
+        self._release_held(len(self._held_order))
         self._cache = None
         if self._parking is not None:
             self._parking.clear()
@@ -419,6 +449,40 @@ class JaxEngine(PollingEngine):
         restored = {slot for slot, _, _ in parked}
         return [item for item in starting if item[0] not in restored]
 
+    def _resume_held(self) -> None:
+        """Queued requests whose prompt is exactly a held row's tokens continue in that slot: its
+        KV holds all but the last token, which becomes the next decode input."""
+        waiting = collections.deque()
+        for request, seed in self._queue:
+            slots = self._held.get(request.prompt_ids)
+            if not slots:
+                waiting.append((request, seed))
+                continue
+            slot = slots.pop()
+            if not slots:
+                del self._held[request.prompt_ids]
+            del self._held_order[slot]
+            self._held_mask[slot] = False
+            self._slots.start(slot, request, seed, 0)
+            self._next_token[slot] = request.prompt_ids[-1]
+            self._stats["kv_reused"] += 1
+        self._queue = waiting
+
+    def release_held(self) -> None:
+        """Drop every held row (their requests, if resumed, re-prefill). train.py calls it after a
+        checkpoint, so that a run resumed from it (which holds nothing) equals the uninterrupted one."""
+        self._release_held(len(self._held_order))
+
+    def _release_held(self, count: int) -> None:
+        """Free the `count` oldest held rows."""
+        for _ in range(min(count, len(self._held_order))):
+            slot, key = self._held_order.popitem(last=False)
+            self._held[key].remove(slot)
+            if not self._held[key]:
+                del self._held[key]
+            self._held_mask[slot] = False
+            self._stats["kv_evicted"] += 1
+
     def _sampling_args(self, slots_N, rows: int):
         """(temperature, top_p, top_k, seeds) of these slots, padded to `rows` with greedy rows."""
         s, n = self._slots, len(slots_N)
@@ -471,20 +535,27 @@ class JaxEngine(PollingEngine):
         max_steps = min(self.decode_steps_per_call, max(int((s.limits - s.steps)[busy].max()), 1))
         need = int((s.prompt_len + s.steps - 1)[busy].max()) + max_steps
         num_positions = bucket_for(min(need, self.max_model_len), self.length_buckets)
+        # Every slot's row in the call: decode the cache where it lies (no gather of the rows, no
+        # scatter back) when its whole length costs at most twice the length bucket.
+        in_place = self.compact_decode and rows == S and self.max_model_len <= 2 * num_positions
+        if in_place:
+            rows_B = pick = np.arange(S, dtype=np.int32)
+            active_B = s.active.copy()
+            num_positions = self.max_model_len
         args = [s.temperature[pick], s.top_p[pick], s.top_k[pick], s.seeds[pick], s.steps[pick], s.limits[pick],
                 s.stop_ids[pick]]
         t0 = self.now()
         self._cache, tokens, logprobs, was_active = self._programs.decode(
             self._state, self._cache, self._next_tokens(), rows_B, active_B, *args, np.int32(max_steps),
             mode=sampling.batch_mode(s.temperature[busy], s.top_p[busy], s.top_k[busy]), num_positions=num_positions,
-            steps_per_call=self.decode_steps_per_call)
+            steps_per_call=self.decode_steps_per_call, in_place=in_place)
         self._next_token_dev = None
         host = time.perf_counter()
         waited = self._read_first_tokens(finished)  # a first token may end its request: its decode rows are dropped
         host = time.perf_counter() - host - waited  # waiting for the prefills is the model's time
         tokens, logprobs, was_active = np.asarray(tokens), np.asarray(logprobs), np.asarray(was_active)
         self._stats["model_s"] += time.perf_counter() - t - host
-        if not self.compact_decode:
+        if in_place or not self.compact_decode:
             tokens, logprobs, was_active = tokens[:, busy], logprobs[:, busy], was_active[:, busy]
         tokens, logprobs, was_active = tokens[:, :n], logprobs[:, :n], was_active[:, :n]
         ran = int(was_active.any(axis=1).sum())
