@@ -149,3 +149,91 @@ def test_merged_length_buckets_give_the_same_tokens_in_fewer_calls(tiny, resumed
             assert merged[r.request_id].token_ids == apart[r.request_id].token_ids, r.request_id
             np.testing.assert_allclose(merged[r.request_id].logprobs, apart[r.request_id].logprobs, atol=1e-5)
         assert merged_stats.model_calls < apart_stats.model_calls
+
+
+def cut_and_abort(engine, prompts, steps: int):
+    """Submit 4 members per prompt (group 0 greedy: identical partials; group 1 seeded), run `steps`
+    engine steps, abort everything: the partial results by request id."""
+    requests = [Request(f"{g}/{j}", prompt, 24, GREEDY if g == 0 else SamplingParams(1.0, seed=10 * g + j))
+                for g, prompt in enumerate(prompts) for j in range(4)]
+    engine.submit(requests)
+    for _ in range(steps):
+        engine.step()
+    return {r.request_id: r for r in engine.abort_all()}
+
+
+def resumed(prompts, partials):
+    """APRIL's resume of each aborted member: prompt + partial, the group's prompt as shared prefix."""
+    return [Request(rid + "+", prompts[int(rid[0])] + r.token_ids, 24 - len(r.token_ids),
+                    GREEDY if rid[0] == "0" else SamplingParams(1.0, seed=1000 + int(rid[-1])),
+                    shared_prefix_len=len(prompts[int(rid[0])])) for rid, r in sorted(partials.items())]
+
+
+def test_held_rows_resume_in_their_slots_as_a_reprefill_would(tiny, resumed_groups):
+    """hold_aborted_kv: an aborted row stays in its slot and the resumed request continues there,
+    no prefill at all (identical greedy partials each keep their own row); tokens and logprobs
+    equal a fresh engine's re-prefill of prompt + partial."""
+    _, model = tiny
+    prompts, _, _ = resumed_groups
+    engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4, hold_aborted_kv=True,
+                       samples_per_prompt=4)
+    partials = cut_and_abort(engine, prompts, steps=2)
+    assert all(0 < len(r.token_ids) < 24 for r in partials.values())
+    assert len({tuple(partials[f"0/{j}"].token_ids) for j in range(4)}) == 1  # greedy: identical partials
+    before = engine.stats()
+    held = engine.generate(resumed(prompts, partials))
+    after = engine.stats()
+    assert after.kv_reused - before.kv_reused == 8 and after.prefill_tokens == before.prefill_tokens
+    reprefilled, stats = run(model, resumed(prompts, partials), samples_per_prompt=4)
+    assert stats.prefill_tokens == sum(map(len, prompts)) + sum(len(r.token_ids) for r in partials.values())
+    for rid, r in held.items():
+        assert r.token_ids == reprefilled[rid].token_ids, rid
+        np.testing.assert_allclose(r.logprobs, reprefilled[rid].logprobs, atol=1e-4)
+
+
+def test_held_rows_give_way_to_new_requests_oldest_first(tiny, resumed_groups):
+    """8 slots all held, 3 new requests: the 3 oldest held rows are freed; of the resumed members,
+    the 5 still held continue in place and the 3 evicted re-prefill, with the same tokens."""
+    _, model = tiny
+    prompts, _, _ = resumed_groups
+    engine = JaxEngine(model, max_num_seqs=8, max_model_len=MAX_LEN, decode_steps_per_call=4, hold_aborted_kv=True,
+                       samples_per_prompt=4)
+    partials = cut_and_abort(engine, prompts, steps=2)
+    oldest = sorted(engine._held_order)[:3]  # aborted together: in slot order
+    engine.generate([Request(f"new{i}", [5, 6, 7], 4, GREEDY) for i in range(3)])
+    stats = engine.stats()
+    assert stats.kv_evicted == 3 and not any(slot in engine._held_order for slot in oldest)
+    out = engine.generate(resumed(prompts, partials))
+    assert engine.stats().kv_reused == 5
+    reference, _ = run(model, resumed(prompts, partials), samples_per_prompt=4)
+    for rid, r in out.items():
+        assert r.token_ids == reference[rid].token_ids, rid
+        np.testing.assert_allclose(r.logprobs, reference[rid].logprobs, atol=1e-4)
+
+
+def test_decode_runs_in_place_when_every_slot_is_in_the_call(tiny, workload):
+    """With all 16 slots busy and a long context the decode program works on the cache where it
+    lies (no row gather, no scatter back); its tokens equal the full-batch reference path."""
+    _, model = tiny
+    engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4)
+    calls = []
+    decode = engine._programs.decode
+
+    def spy(*args, **kw):
+        calls.append(kw["in_place"])
+        return decode(*args, **kw)
+
+    engine._programs = engine._programs._replace(decode=spy)
+    requests = workload[:SLOTS]
+    out = engine.generate(requests)
+    assert True in calls and False in calls  # in place while all are busy, compacted in the tail
+    reference, _ = run(model, requests, compact_decode=False)
+    for r in requests:
+        assert out[r.request_id].token_ids == reference[r.request_id].token_ids, r.request_id
+        np.testing.assert_allclose(out[r.request_id].logprobs, reference[r.request_id].logprobs, atol=1e-5)
+
+
+def test_hold_and_side_cache_parking_are_exclusive(tiny):
+    _, model = tiny
+    with pytest.raises(ValueError, match="hold_aborted_kv"):
+        JaxEngine(model, max_num_seqs=4, max_model_len=32, reuse_aborted_kv=True, hold_aborted_kv=True)
