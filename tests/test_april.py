@@ -72,6 +72,8 @@ def test_invariants_over_many_steps(stale_policy, refill, resume_count):
     # Some responses were truncated at the budget: the seed's tail exceeds 300 tokens at this scale.
     assert any(m["rollout/truncated_frac"] > 0 for m in metrics)
     assert all(m["rollout/response_len/max"] <= 300 for m in metrics)
+    # finish_wait (default 1.0) acts under inflight="auto" only: the product default never waits or swaps
+    assert all(m["rollout/finish_wait_s"] == 0 and m["rollout/swapped_groups"] == 0 for m in metrics)
 
 
 @pytest.mark.parametrize("reuse", [False, True])

@@ -269,8 +269,9 @@ class April:
 
         # 2b. (inflight=auto) before terminating, let the responses that would pass their cap at the next
         # step finish (restarting one throws away its group's tokens); nothing fresh starts meanwhile
-        wait_start = engine.now()
+        m["finish_wait_s"] = 0.0
         if cfg.inflight == "auto" and cfg.partial_rollout and cfg.finish_wait > 0 and self.step_time[1]:
+            wait_start = engine.now()
             deadline = wait_start + cfg.finish_wait * self.step_time[0] / self.step_time[1]
             while (engine.has_unfinished() and engine.now() < deadline
                    and any(self._at_risk(s, version) for s in requests.values())):
@@ -282,7 +283,7 @@ class April:
                         del inflight[group.group_id]
                         score(group)
                 harvest()
-        m["finish_wait_s"] = engine.now() - wait_start
+            m["finish_wait_s"] = engine.now() - wait_start
 
         # 3. active termination
         for result in engine.abort_all():
