@@ -74,6 +74,8 @@ def test_invariants_over_many_steps(stale_policy, refill, resume_count):
     assert all(m["rollout/response_len/max"] <= 300 for m in metrics)
     # finish_wait (default 1.0) acts under inflight="auto" only: the product default never waits or swaps
     assert all(m["rollout/finish_wait_s"] == 0 and m["rollout/swapped_groups"] == 0 for m in metrics)
+    # ... and its saved state holds no clock reading (two runs of one seed save identical checkpoints)
+    assert april.state_dict()["step_time"] == [0.0, 0]
 
 
 @pytest.mark.parametrize("reuse", [False, True])

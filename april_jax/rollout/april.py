@@ -305,7 +305,9 @@ class April:
             m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
         for g in delivered:
             self._remember_lengths(g)
-        self.step_time = [self.step_time[0] + engine.now() - t0, self.step_time[1] + 1]
+        if cfg.inflight == "auto" and cfg.partial_rollout and cfg.finish_wait > 0:
+            # wall-clock state only where it steers the rollout: the default's checkpoints stay deterministic
+            self.step_time = [self.step_time[0] + engine.now() - t0, self.step_time[1] + 1]
         # the largest fraction of the step's groups delivered when a fresh group started (-1: none started)
         return delivered, {**self._metrics(delivered, version, m, engine, t0, s0), "rollout/inflight_limit": limit,
                            "rollout/fresh_start_progress_max": m["late_start"],
