@@ -74,6 +74,8 @@ class Data:
                                         "(counted)", choices=("error", "skip"))
     tokenizer_path: str = key("", "dir with tokenizer.json (or asset:NAME, e.g. asset:qwen3-tokenizer); "
                                   "empty: model.path's")
+    reverse_lengths: str = key("0.6:2-5,0.25:6-10,0.15:11-20", "data.task='reverse': list lengths as "
+                                   "'P:LO-HI,...' (probability: digit range; the response is one token longer)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,9 +43,19 @@ def build_task(c, model_path: str | None) -> Task:
 def _reverse_task(c) -> Task:
     from april_jax.data import reverse
 
-    return Task(reverse.ReverseTask(c.seed, "train"), reverse.ReverseTask(c.seed, "eval").take(c.eval.num_prompts),
+    try:
+        buckets = reverse.parse_lengths(c.data.reverse_lengths)
+    except ValueError as e:
+        raise ConfigError(f"config key 'data.reverse_lengths'={c.data.reverse_lengths!r}: {e}") from None
+    longest_prompt = len(reverse.encode_prompt([0] * max(hi for _, _, hi in buckets)))
+    if longest_prompt > c.data.max_prompt_len:
+        raise ConfigError(f"config key 'data.reverse_lengths'={c.data.reverse_lengths!r}: prompts of up to "
+                          f"{longest_prompt} tokens, over data.max_prompt_len={c.data.max_prompt_len}")
+    return Task(reverse.ReverseTask(c.seed, "train", buckets),
+                reverse.ReverseTask(c.seed, "eval", buckets).take(c.eval.num_prompts),
                 (reverse.EOS,), reverse.VOCAB_SIZE, reverse.decode, reverse.decode,
-                warmup_examples=functools.partial(reverse.sft_examples, reverse_frac=c.warmup.reverse_frac))
+                warmup_examples=functools.partial(reverse.sft_examples, reverse_frac=c.warmup.reverse_frac,
+                                                  buckets=buckets))
 
 
 def _file_task(c, model_path: str | None) -> Task:

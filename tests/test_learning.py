@@ -30,6 +30,32 @@ def test_prompt_lengths_are_long_tailed():
     assert np.percentile(lengths, 95) >= 3 * np.median(lengths)
 
 
+def test_reverse_lengths_key_sets_the_tail_and_bad_values_name_the_key():
+    import pytest
+
+    from april_jax import config as config_lib
+    from april_jax.config import ConfigError
+    from april_jax.task import build_task
+
+    assert reverse.parse_lengths(config_lib.default_config().data.reverse_lengths) == reverse.LENGTH_BUCKETS
+    buckets = reverse.parse_lengths("0.9:2-3,0.1:30-31")
+    lengths = np.array([len(reverse.sample_digits(np.random.default_rng([3, i]), buckets)) for i in range(2000)])
+    assert set(lengths) <= {2, 3, 30, 31} and 0.07 < np.mean(lengths >= 30) < 0.13
+    task = reverse.ReverseTask(0, "train", buckets)
+    assert {len(r.prompt_ids) - 3 for r in task.take(200)} <= {2, 3, 30, 31}
+    for text, why in [("0.5:2-5", "sum to 0.5"), ("1:5-2", "LO <= HI"), ("1:2", "not P:LO-HI"), ("x:1-2", "not P:LO-HI")]:
+        with pytest.raises(ValueError, match=why):
+            reverse.parse_lengths(text)
+    c = config_lib.default_config()
+    c.data.task, c.warmup.steps, c.data.max_prompt_len = "reverse", 0, 24
+    c.data.reverse_lengths = "0.5:2-5,0.4:6-10"
+    with pytest.raises(ConfigError, match="config key 'data.reverse_lengths'='0.5:2-5,0.4:6-10': probabilities sum"):
+        build_task(c, None)
+    c.data.reverse_lengths = "1:2-30"
+    with pytest.raises(ConfigError, match="prompts of up to 33 tokens, over data.max_prompt_len=24"):
+        build_task(c, None)
+
+
 def test_reward_counts_positions_and_length():
     answer = "3 2 1"  # the list 1 2 3 reversed
     ids = lambda *digits: [reverse.DIGIT0 + d for d in digits]

@@ -27,13 +27,31 @@ from april_jax.data.types import PromptRecord
 PAD, BOS, EOS, REV, EQ = 0, 1, 2, 3, 4
 DIGIT0 = 5  # digits 0-9 are ids 5..14
 VOCAB_SIZE = 16
-LENGTH_BUCKETS = ((0.6, 2, 5), (0.25, 6, 10), (0.15, 11, 20))
-MAX_ANSWER = 21  # 20 digits + eos
+LENGTH_BUCKETS = ((0.6, 2, 5), (0.25, 6, 10), (0.15, 11, 20))  # `data.reverse_lengths`' default
+MAX_ANSWER = 21  # 20 digits + eos, with the default buckets
 
 
-def sample_digits(rng: np.random.Generator) -> list[int]:
-    probs = [p for p, _, _ in LENGTH_BUCKETS]
-    lo, hi = LENGTH_BUCKETS[rng.choice(len(LENGTH_BUCKETS), p=probs)][1:]
+def parse_lengths(text: str) -> tuple[tuple[float, int, int], ...]:
+    """'0.6:2-5,0.4:6-10' -> ((0.6, 2, 5), (0.4, 6, 10)). ValueError says what is wrong."""
+    buckets = []
+    for part in text.split(","):
+        try:
+            p, span = part.split(":")
+            lo, hi = span.split("-")
+            bucket = (float(p), int(lo), int(hi))
+        except ValueError:
+            raise ValueError(f"bucket {part.strip()!r} is not P:LO-HI") from None
+        if not (bucket[0] > 0 and 1 <= bucket[1] <= bucket[2]):
+            raise ValueError(f"bucket {part.strip()!r}: need P > 0 and 1 <= LO <= HI")
+        buckets.append(bucket)
+    if abs(sum(p for p, _, _ in buckets) - 1) > 1e-6:
+        raise ValueError(f"probabilities sum to {sum(p for p, _, _ in buckets):g}, not 1")
+    return tuple(buckets)
+
+
+def sample_digits(rng: np.random.Generator, buckets=LENGTH_BUCKETS) -> list[int]:
+    probs = [p for p, _, _ in buckets]
+    lo, hi = buckets[rng.choice(len(buckets), p=probs)][1:]
     return rng.integers(0, 10, rng.integers(lo, hi + 1)).tolist()
 
 
@@ -53,12 +71,12 @@ def decode(ids) -> str:
 class ReverseTask:
     """Infinite deterministic prompt stream; `position` makes it resumable."""
 
-    def __init__(self, seed: int, split: str = "train"):
-        self.seed, self.split, self.position = seed, split, 0
+    def __init__(self, seed: int, split: str = "train", buckets=LENGTH_BUCKETS):
+        self.seed, self.split, self.position, self.buckets = seed, split, 0, buckets
 
     def _record(self, index: int) -> PromptRecord:
         rng = np.random.default_rng([self.seed, 0 if self.split == "train" else 1, index])
-        digits = sample_digits(rng)
+        digits = sample_digits(rng, self.buckets)
         return PromptRecord(uid=f"{self.split}:{index}", prompt_ids=encode_prompt(digits),
                             answer=" ".join(map(str, digits[::-1])), source=f"reverse/{self.split}:{index}")
 
@@ -92,13 +110,14 @@ def stray_ids(digits: list[int]) -> list[int]:
     return answer_ids(digits)[:-1] + [EQ, EOS]
 
 
-def sft_examples(seed: int, n: int, reverse_frac: float = 1.0) -> list[tuple[list[int], list[int]]]:
+def sft_examples(seed: int, n: int, reverse_frac: float = 1.0,
+                 buckets=LENGTH_BUCKETS) -> list[tuple[list[int], list[int]]]:
     """(prompt, answer) pairs, all reversals: a `reverse_frac` share exact (the rewarded answer),
     the rest with a stray `=` before `<eos>`."""
     rng = np.random.default_rng([seed, 7])
     out = []
     for _ in range(n):
-        digits = sample_digits(rng)
+        digits = sample_digits(rng, buckets)
         answer = answer_ids(digits) if rng.random() < reverse_frac else stray_ids(digits)
         out.append((encode_prompt(digits), answer))
     return out

@@ -306,13 +306,15 @@ class GroupScorer:
         self.model, self.decode, self.adjust = model, decode, adjust
         self.decode_prompt = decode_prompt or decode
 
-    def sample(self, prompt, response_ids, finish_reason, index: int = 0) -> RewardSample:
-        prompt_text = self.decode_prompt(prompt.prompt_ids)
+    def sample(self, prompt, response_ids, finish_reason, index: int = 0, prompt_text: str | None = None) -> RewardSample:
+        prompt_text = self.decode_prompt(prompt.prompt_ids) if prompt_text is None else prompt_text
         return RewardSample(prompt=prompt.prompt if prompt.prompt is not None else prompt_text, prompt_text=prompt_text,
                             prompt_ids=list(prompt.prompt_ids), response=self.decode(response_ids),
                             response_ids=list(response_ids), answer=prompt.answer, finish_reason=finish_reason,
                             fields=dict(prompt.fields), uid=prompt.uid, index=index)
 
     def submit_group(self, group) -> PendingScores:
-        samples = [self.sample(group.prompt, s.response_ids, s.finish_reason, s.index) for s in group.samples]
+        prompt_text = self.decode_prompt(group.prompt.prompt_ids)  # once: the members share it
+        samples = [self.sample(group.prompt, s.response_ids, s.finish_reason, s.index, prompt_text)
+                   for s in group.samples]
         return self.model.submit(samples, self.adjust)
