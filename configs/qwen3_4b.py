@@ -31,7 +31,7 @@ def get_config(size: str = "4b"):
     c.rollout.partial_rollout = True
     c.rollout.max_response_len = 16384
     c.rollout.temperature = 0.8
-    c.rollout.max_staleness = 5
+    c.rollout.max_staleness = 4  # the seed: a response spans at most 5 policy versions
     c.rollout.max_num_seqs = 512
 
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28

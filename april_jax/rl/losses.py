@@ -60,7 +60,7 @@ class LossConfig:
                                    "(the engine's behaviour logprobs)", choices=("recompute", "bypass"))
     tis: str | None = internal("token", "truncated importance sampling: 'token', 'sequence' or None")
     tis_cap: float = key(2.0, "truncated-IS cap C: weights min(pi_old / pi_behaviour, C)", gt=0)
-    max_staleness: int = internal(5, "tokens older than this many policy versions are masked (rollout.max_staleness)")
+    max_staleness: int = internal(4, "tokens older than this many policy versions are masked (rollout.max_staleness)")
     staleness_decay: float = key(0.9, "per-token weight decay ** (current version - token's version)", gt=0, le=1)
 
     def validate(self) -> "LossConfig":

@@ -69,7 +69,7 @@ class RolloutConfig:
                                       "false: discard them")
     max_response_len: int = key(1024, "generation budget per response, in tokens (a resumed response counts "
                                       "what it already generated)", gt=0)
-    max_staleness: int = key(5, "policy versions a buffered token may lag; older ones are restarted/dropped "
+    max_staleness: int = key(4, "policy versions a buffered token may lag (4: a response spans at most 5); older ones are restarted/dropped "
                                 "(stale_policy) and masked in the loss", ge=0)
     stale_policy: str = key("restart", "a buffered member past max_staleness: regenerate it from the prompt, "
                                        "or drop its whole group", choices=("restart", "drop_group"))
