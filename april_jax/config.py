@@ -110,6 +110,8 @@ class Rollout(RolloutConfig):
     merge_padding_tokens: int = key(0, "jax engine: a prefill or extend call may pad this many tokens to serve two "
                                        "length buckets at once (one call less; on small models a call's fixed cost "
                                        "exceeds that compute)", ge=0)
+    smallest_prefill_bucket: int = key(16, "jax engine: the shortest prompt-length bucket of a prefill call (larger: "
+                                           "fewer programs to compile, more padding)", gt=0)
     reuse_aborted_kv: bool = key(False, "jax engine: resume partial responses from their parked KV cache "
                                         "(no re-prefill)")
     hold_aborted_kv: bool = key(False, "jax engine: an aborted response's KV stays in its slot until the response "

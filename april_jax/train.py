@@ -120,7 +120,8 @@ def build_engine(c, model, max_model_len: int, version: int) -> EngineProtocol:
                          reuse_aborted_kv=c.rollout.reuse_aborted_kv, samples_per_prompt=c.rollout.n_samples_per_prompt,
                          free_kv_in_sleep=c.rollout.free_kv_cache_in_train,
                          merge_padding_tokens=c.rollout.merge_padding_tokens,
-                         hold_aborted_kv=c.rollout.hold_aborted_kv)
+                         hold_aborted_kv=c.rollout.hold_aborted_kv,
+                         smallest_prefill_bucket=c.rollout.smallest_prefill_bucket)
     if c.rollout.engine == "sim":
         from april_jax.rollout.sim_engine import SimEngine
 

@@ -36,6 +36,9 @@ def get_config():
     # a call costs ~3-5 ms here whatever its size (RESULTS.md, issue 14, session 7): pad prompts and
     # resumed partials into one prefill / extend call rather than one per length bucket
     c.rollout.merge_padding_tokens = 1024
+    # prompts are <= 24 tokens: one prompt-length bucket, half the prefill programs to compile (~2.5 s
+    # each here; a 12-step run compiled 17 s of prefills instead of 25)
+    c.rollout.smallest_prefill_bucket = 32
     # an aborted response keeps its KV in its slot and resumes there next step (no re-prefill); the
     # tiny cache (~1.5 MB) stays allocated through the train step so that it survives
     c.rollout.hold_aborted_kv = True

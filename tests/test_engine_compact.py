@@ -237,3 +237,27 @@ def test_hold_and_side_cache_parking_are_exclusive(tiny):
     _, model = tiny
     with pytest.raises(ValueError, match="hold_aborted_kv"):
         JaxEngine(model, max_num_seqs=4, max_model_len=32, reuse_aborted_kv=True, hold_aborted_kv=True)
+
+
+def test_a_larger_smallest_prefill_bucket_pads_prompts_and_keeps_tokens(tiny, workload):
+    """`smallest_prefill_bucket=64`: prompts of 1-70 tokens prefill in buckets 64 and 128 only (fewer
+    programs to compile), with the same tokens and logprobs as the default 16-token buckets."""
+    _, model = tiny
+    shapes = {}
+    for smallest in (16, 64):
+        engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4,
+                           smallest_prefill_bucket=smallest)
+        device, seen = engine._device, set()
+
+        def spy(program, *args, **kw):  # records each prefill call's prompt-token shape
+            if program is engine._programs.prefill:
+                seen.add(args[5].shape[1])
+            return device(program, *args, **kw)
+
+        engine._device = spy
+        shapes[smallest] = (engine.generate(workload), seen)
+    (small, small_lengths), (large, large_lengths) = shapes[16], shapes[64]
+    assert min(small_lengths) < 64 and large_lengths <= {64, 128}
+    for r in workload:
+        assert large[r.request_id].token_ids == small[r.request_id].token_ids, r.request_id
+        np.testing.assert_allclose(large[r.request_id].logprobs, small[r.request_id].logprobs, atol=1e-5)

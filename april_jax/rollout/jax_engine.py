@@ -108,7 +108,7 @@ class JaxEngine(PollingEngine):
                  policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8,
                  reuse_aborted_kv: bool = False, samples_per_prompt: int = 1, free_kv_in_sleep: bool = True,
                  compact_decode: bool = True, timeline_points: int = TIMELINE_POINTS,
-                 merge_padding_tokens: int = 0, hold_aborted_kv: bool = False):
+                 merge_padding_tokens: int = 0, hold_aborted_kv: bool = False, smallest_prefill_bucket: int = 16):
         if reuse_aborted_kv and hold_aborted_kv:
             raise ValueError("JaxEngine: reuse_aborted_kv and hold_aborted_kv are two ways of the same thing; pick one")
         if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
@@ -129,7 +129,9 @@ class JaxEngine(PollingEngine):
         self.prefill_share = pow2_at_least(max(samples_per_prompt, 1))
         self.max_model_len = max_model_len
         self.kv_budget_tokens = math.inf  # every slot has its own max_model_len row: slots bound concurrency
-        self.buckets = prefill_buckets(max_model_len)
+        # Prompt-length buckets of prefill calls; a larger smallest one means fewer programs to compile
+        # (each (rows, prompts, length) shape is one) for some padding.
+        self.buckets = prefill_buckets(max_model_len, max(1, min(smallest_prefill_bucket, max_model_len)))
         self.suffix_buckets = length_buckets(max_model_len, SMALLEST_SUFFIX_BUCKET)
         # Prefill and extend calls serve two length buckets at once when that pads at most this
         # many tokens: on a small model a call's fixed cost exceeds the padding's compute.
