@@ -124,6 +124,11 @@ class RolloutConfig:
                              f"rollout.rollout_batch_size={self.rollout_batch_size}")
         return self
 
+    @property
+    def waits_to_finish(self) -> bool:
+        """finish_wait acts (and APRIL keeps its step-time clock) only here."""
+        return self.inflight == "auto" and self.partial_rollout and self.finish_wait > 0
+
 
 class April:
     def __init__(self, cfg: RolloutConfig, prompts: Iterator[PromptRecord], reward_fn: RewardFn | None = None):
@@ -270,7 +275,7 @@ class April:
         # 2b. (inflight=auto) before terminating, let the responses that would pass their cap at the next
         # step finish (restarting one throws away its group's tokens); nothing fresh starts meanwhile
         m["finish_wait_s"] = 0.0
-        if cfg.inflight == "auto" and cfg.partial_rollout and cfg.finish_wait > 0 and self.step_time[1]:
+        if cfg.waits_to_finish and self.step_time[1]:
             wait_start = engine.now()
             deadline = wait_start + cfg.finish_wait * self.step_time[0] / self.step_time[1]
             while (engine.has_unfinished() and engine.now() < deadline
@@ -305,8 +310,8 @@ class April:
             m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
         for g in delivered:
             self._remember_lengths(g)
-        if cfg.inflight == "auto" and cfg.partial_rollout and cfg.finish_wait > 0:
-            # wall-clock state only where it steers the rollout: the default's checkpoints stay deterministic
+        if cfg.waits_to_finish:  # a wall-clock reading: kept only where it steers the rollout (the
+            # default's checkpoints stay deterministic)
             self.step_time = [self.step_time[0] + engine.now() - t0, self.step_time[1] + 1]
         # the largest fraction of the step's groups delivered when a fresh group started (-1: none started)
         return delivered, {**self._metrics(delivered, version, m, engine, t0, s0), "rollout/inflight_limit": limit,
