@@ -6,6 +6,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One persistent XLA compilation cache for the whole session, this process and every trainer it
+# starts: the many tiny-config runs compile the same programs, and a hit loads the very executable
+# a compile would make (a run with a warm cache gives the same metrics; measured: 77 s -> 27 s).
+# A size limit turns on JAX's file lock, so concurrent trainers never read a half-written entry.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="april_jax_test_xla_cache_")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 
 # ---- the vLLM servers the test_vllm_* modules share (tests/vllm_servers.py) ----

@@ -190,7 +190,8 @@ def test_smollm2_gsm8k_one_step_smoke(tmp_path):
     cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/smollm2_gsm8k.py"),
            f"--config.workdir={workdir}", "--config.train.total_steps=1", "--config.rollout.rollout_batch_size=1",
            "--config.rollout.n_samples_per_prompt=2", "--config.rollout.over_sampling_batch_size=2",
-           "--config.rollout.max_response_len=32", "--config.train.micro_batch_size=2", "--config.log.tensorboard=false"]
+           "--config.rollout.max_response_len=32", "--config.train.micro_batch_size=2", "--config.log.tensorboard=false",
+           "--config.eval.num_prompts=4"]  # the step-0 greedy eval on 4 of the GSM8K problems, not all 100
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [row] = read_metrics(workdir)
