@@ -10,10 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # starts: the many tiny-config runs compile the same programs, and a hit loads the very executable
 # a compile would make (a run with a warm cache gives the same metrics; measured: 77 s -> 27 s).
 # A size limit turns on JAX's file lock, so concurrent trainers never read a half-written entry.
+_OWN_XLA_CACHE = None  # the folder made here, removed when the session ends
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="april_jax_test_xla_cache_")
+    _OWN_XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="april_jax_test_xla_cache_")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
@@ -54,3 +55,10 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_runtest_teardown(item, nextitem):
     if item.nodeid == _cluster_state["last_user"] and _cluster_state["cluster"] is not None:
         _cluster_state["cluster"].stop()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_XLA_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
