@@ -145,6 +145,9 @@ class Train:
     num_iterations: int = key(1, "PPO epochs (optimiser steps) over each rollout batch", gt=0)
     max_skipped_steps: int = key(3, "stop with an error after this many consecutive skipped (non-finite or "
                                     "all-rewards-failed) steps", gt=0)
+    compile_cache_dir: str = key("~/.cache/april_jax/xla", "persistent XLA compilation cache: a rerun or resumed "
+                                 "run loads the programs compiled before (same metrics); JAX_COMPILATION_CACHE_DIR "
+                                 "in the environment wins; empty: off (april_jax/compile_cache.py)")
 
 
 @dataclasses.dataclass(frozen=True)

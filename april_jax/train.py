@@ -208,6 +208,11 @@ def run(c) -> dict:
     from april_jax.workdir_lock import WorkdirLock
 
     started = time.perf_counter()
+    from april_jax import compile_cache
+
+    cache = compile_cache.enable(c.train.compile_cache_dir)  # before the first compile
+    if cache:
+        print(f"XLA compilation cache: {cache} (--config.train.compile_cache_dir= turns it off)", file=sys.stderr)
     distributed.initialize()  # several processes: the mesh then spans every process's devices
     workdir = Path(c.workdir)
     lock = WorkdirLock(workdir) if distributed.is_main() else None  # processes share one workdir

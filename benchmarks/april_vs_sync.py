@@ -4,7 +4,9 @@
 
 For every seed: one APRIL run (the config as given) then one synchronous run (the same config
 with `rollout.partial_rollout=false` and `rollout.over_sampling_batch_size=rollout_batch_size`),
-each a fresh `python -m april_jax.train` process in its own workdir under `--out`. Any
+each a fresh `python -m april_jax.train` process in its own workdir under `--out`, with the persistent
+compile cache off (`train.compile_cache_dir=`: every run compiles cold, so compile seconds and wall
+times compare). Any
 `--config.x=value` is passed to both. Prints one JSON line per run, then one overall JSON object:
 
 - `rollout_time_ratio`: median over seeds of (APRIL's median `time/rollout_s` per step) / (sync's);
@@ -62,7 +64,8 @@ def train(config: str, workdir: Path, overrides: list[str]) -> dict:
     if workdir.exists():
         shutil.rmtree(workdir)
     cmd = [sys.executable, "-m", "april_jax.train", "--config", config, f"--config.workdir={workdir}",
-           "--config.log.progress=false", "--config.log.tensorboard=false", *overrides]
+           "--config.log.progress=false", "--config.log.tensorboard=false",
+           "--config.train.compile_cache_dir=", *overrides]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     before = loadavg()
     t, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)

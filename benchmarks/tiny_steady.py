@@ -2,7 +2,7 @@
 
     python benchmarks/tiny_steady.py NAME [--config.x=value ...]
 
-Trains `configs/tiny.py` for 14 steps in /tmp/tiny_steady/NAME and prints one JSON line: the
+Trains `configs/tiny.py` for 14 steps (persistent compile cache off) in /tmp/tiny_steady/NAME and prints one JSON line: the
 median and mean over steps 2-13 of `time/rollout_s - time/rollout_compile_s`, the compile seconds,
 prefill tokens, device calls (`rollout/model_calls`), host overhead, aborts and reward per step.
 The synchronous baseline: `--config.rollout.partial_rollout=false --config.rollout.over_sampling_batch_size=16`.
@@ -27,7 +27,8 @@ def main() -> None:
     t = time.time()
     cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
            f"--config.workdir={workdir}", "--config.train.total_steps=14", "--config.eval.every=0",
-           "--config.log.progress=false", "--config.log.tensorboard=false", *overrides]
+           "--config.log.progress=false", "--config.log.tensorboard=false",
+           "--config.train.compile_cache_dir=", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if proc.returncode:
