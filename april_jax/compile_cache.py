@@ -17,19 +17,29 @@ from __future__ import annotations
 
 import os
 
+from april_jax.schema import ConfigError
+
 MIN_COMPILE_SECONDS = 0.2  # the tiny engine's programs compile in 0.2-3 s; JAX's default (1 s) skips most
 MAX_BYTES = 8 << 30
 
 
 def enable(directory: str) -> str | None:
     """Point JAX's persistent cache at `directory` (or the environment's folder); '' turns it off.
-    Returns the folder in use, or None when off. Call before the first compile."""
+    Returns the folder in use (made if missing), or None when off; a folder that cannot be made is a
+    ConfigError naming it. Call before the first compile."""
     import jax
 
     if not directory:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser(directory)
+    env_path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    path = env_path or os.path.expanduser(directory)
+    try:  # JAX would only warn, once per program, and run uncached
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        source = "JAX_COMPILATION_CACHE_DIR" if env_path else "train.compile_cache_dir"
+        raise ConfigError(f"{source}={path!r}: cannot make the compilation cache folder ({e.strerror}); name a "
+                          f"writable folder, or set train.compile_cache_dir= (empty) to turn the cache off") from None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:

@@ -205,11 +205,10 @@ def check_vocab(c, task_vocab: int | None) -> None:
 
 
 def run(c) -> dict:
+    from april_jax import compile_cache
     from april_jax.workdir_lock import WorkdirLock
 
     started = time.perf_counter()
-    from april_jax import compile_cache
-
     cache = compile_cache.enable(c.train.compile_cache_dir)  # before the first compile
     if cache:
         print(f"XLA compilation cache: {cache} (--config.train.compile_cache_dir= turns it off)", file=sys.stderr)

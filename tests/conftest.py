@@ -15,8 +15,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
     _OWN_XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="april_jax_test_xla_cache_")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+    from april_jax.compile_cache import MAX_BYTES, MIN_COMPILE_SECONDS  # the trainer's own settings
+
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_SECONDS))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_BYTES))
 
 
 # ---- the vLLM servers the test_vllm_* modules share (tests/vllm_servers.py) ----

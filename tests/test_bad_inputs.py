@@ -276,3 +276,16 @@ def test_nan_reward_on_every_sample_stops_the_run(launched):
     rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["train/skipped"] == 1 and r["reward/failures"] > 0 for r in rows)
     assert not any((workdir / "checkpoints").iterdir())
+
+
+def test_an_unusable_compile_cache_folder_is_one_line_and_no_workdir(tmp_path):
+    """The key's folder cannot be made (a file is in its path): one line naming key and folder,
+    before the workdir is touched. The test session's JAX_COMPILATION_CACHE_DIR would win, so it is unset."""
+    (tmp_path / "a_file").write_text("")
+    folder, workdir = tmp_path / "a_file" / "xla", tmp_path / "run"
+    env = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    proc = subprocess.run(train("--config", str(ROOT / "configs/tiny.py"), f"--config.workdir={workdir}",
+                                f"--config.train.compile_cache_dir={folder}", *SMALL),
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert_one_error_line(proc, "train.compile_cache_dir", str(folder))
+    assert not workdir.exists()

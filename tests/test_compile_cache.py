@@ -23,13 +23,17 @@ print(json.dumps({"folder": folder, "value": float(jax.jit(lambda a: (a @ a.T).s
 """
 
 
-def run(directory: str, env_folder: str | None = None) -> dict:
+def run(directory: str, env_folder: str | None = None, home: Path | None = None, check: bool = True):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    if home is not None:
+        env["HOME"] = str(home)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the test's program compiles in milliseconds
     if env_folder is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = env_folder
     proc = subprocess.run([sys.executable, "-c", SCRIPT, directory], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=300)
+    if not check:
+        return proc
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -61,7 +65,16 @@ def test_an_empty_key_turns_the_cache_off_even_with_an_environment_folder(tmp_pa
     assert not entries(env_folder)
 
 
-def test_the_default_is_a_folder_in_the_home_cache():
+def test_the_default_folder_is_made_under_home(tmp_path):
     from april_jax import config as config_lib
 
-    assert config_lib.Train().compile_cache_dir == "~/.cache/april_jax/xla"
+    out = run(config_lib.Train().compile_cache_dir, home=tmp_path)
+    folder = tmp_path / ".cache" / "april_jax" / "xla"
+    assert out["folder"] == str(folder) and entries(folder)
+
+
+def test_a_folder_that_cannot_be_made_is_a_config_error_naming_it(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = run(str(tmp_path / "a_file" / "xla"), check=False)
+    assert proc.returncode != 0
+    assert f"ConfigError: train.compile_cache_dir='{tmp_path / 'a_file' / 'xla'}': cannot make" in proc.stderr

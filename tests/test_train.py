@@ -107,6 +107,7 @@ def test_kill_9_then_resume_is_identical_to_an_uninterrupted_run(uninterrupted, 
 
     resumed = run_train(workdir, *RUN)
     assert "resumed from" in resumed.stderr
+    assert f"XLA compilation cache: {os.environ['JAX_COMPILATION_CACHE_DIR']} " in resumed.stderr
     rows = read_metrics(workdir)
     assert [r["step"] for r in rows] == list(range(STEPS)), "metrics continue without gaps or repeats"
     assert rows[-1]["version"] == STEPS
