@@ -35,7 +35,8 @@ def enable(directory: str) -> str | None:
     env_path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     path = env_path or os.path.expanduser(directory)
     try:  # JAX would only warn, once per program, and run uncached
-        os.makedirs(path, exist_ok=True)
+        # owner-only when made here: an entry is an executable the next run loads and runs
+        os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
         source = "JAX_COMPILATION_CACHE_DIR" if env_path else "train.compile_cache_dir"
         raise ConfigError(f"{source}={path!r}: cannot make the compilation cache folder ({e.strerror}); name a "

@@ -71,6 +71,7 @@ def test_the_default_folder_is_made_under_home(tmp_path):
     out = run(config_lib.Train().compile_cache_dir, home=tmp_path)
     folder = tmp_path / ".cache" / "april_jax" / "xla"
     assert out["folder"] == str(folder) and entries(folder)
+    assert folder.stat().st_mode & 0o077 == 0, "the cache folder it made is not owner-only"
 
 
 def test_a_folder_that_cannot_be_made_is_a_config_error_naming_it(tmp_path):
