@@ -64,7 +64,7 @@ def decode_step_seconds(model, slots, busy, context, compact=True, steps=16):
 
 def busy_step_costs(model, slots, busy, context):
     """A decode step with `busy` of `slots` slots busy against one with every slot busy, same context;
-    the same with compaction off (every slot and the whole row computed: the old engine)."""
+    the same with compaction off (every slot and the whole row computed)."""
     few, full = decode_step_seconds(model, slots, busy, context), decode_step_seconds(model, slots, slots, context)
     few_uncompacted = decode_step_seconds(model, slots, busy, context, compact=False)
     return {"slots": slots, "busy": busy, "context": context, "busy_step_ms": round(1e3 * few, 2),

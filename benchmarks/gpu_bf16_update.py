@@ -1,9 +1,9 @@
-"""Does a bf16 train step still move the weights? One AdamW step at the recipes' lr vs fp32 (issue 18).
+"""Does a bf16 train step still move the weights? One AdamW step at the recipes' lr vs fp32.
 
     python benchmarks/gpu_bf16_update.py [--lr 1e-6] [--model small] [--dry-run]
 
-configs/qwen3_4b.py and qwen3_8b.py set `model.dtype = "bfloat16"`: the parameters themselves
-(and so AdamW's update) are bf16. AdamW's first step moves each weight by about lr; a bf16 weight
+With `model.dtype = "bfloat16"` the parameters themselves (and so AdamW's update) are bf16, which
+is why configs/qwen3_4b.py and qwen3_8b.py keep fp32 master weights with bf16 compute. AdamW's first step moves each weight by about lr; a bf16 weight
 w only changes when the step exceeds half its spacing (|w| * 2^-8), so at lr 1e-6 and |w| ~ 0.02
 (or the norms' 1.0) nearly every update rounds away. This prints, per precision, the fraction of
 parameters one step changed and the cosine of its update with the fp32 one (same init, batch):

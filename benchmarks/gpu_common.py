@@ -1,9 +1,9 @@
-"""Shared pieces of the GPU benchmarks (issue 18): device facts, measured peaks, the dry-run shapes.
+"""Shared pieces of the GPU benchmarks: device facts, measured peaks, the dry-run shapes.
 
 Each gpu_*.py benchmark prints one JSON object per line (a line per configuration as it finishes,
 so a run cut short by `scripts/device_check.sh`'s time budget keeps what it measured). With
 `--dry-run` they run the same code on tiny shapes on whatever backend JAX has (CPU here), to
-prove the script before a GPU is lent for a few minutes.
+prove the script on a CPU before a short GPU run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Decode tokens/s of the embedded JAX engine against the memory roofline (issue 18).
+"""Decode tokens/s of the embedded JAX engine against the memory roofline.
 
     python benchmarks/gpu_engine_decode.py [--model qwen3-0.6b] [--batches 16,64,256] [--prompt-len 128]
                                            [--short 65] [--long 257] [--dry-run]
@@ -34,7 +34,7 @@ from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
 from gpu_common import copy_bandwidth_bytes_per_s, device_info, emit, model_config, spec_hbm_bytes_per_s
 
-GOAL_FRACTION_AT_64 = 0.60  # issue 18's goal on an H200: >= 60% of the roofline at batch 64
+GOAL_FRACTION_AT_64 = 0.60  # the goal on an H200: >= 60% of the roofline at batch 64
 
 
 def weight_bytes_read_per_step(model: qwen3.Qwen3) -> int:

@@ -1,11 +1,11 @@
-"""The device check's two bookends (scripts/device_check.sh, issue 18).
+"""The device check's two bookends (scripts/device_check.sh).
 
     python benchmarks/gpu_summary.py env                  # one JSON line: versions, devices, GPU
     python benchmarks/gpu_summary.py summarize WORK OUT   # WORK's pieces -> OUT (the summary JSON)
 
 `summarize` reads what the script left in WORK: items.jsonl (one line per step: name, rc,
 seconds, status), env.out, junit_*.xml (pytest outcomes) and *.out (benchmark JSON lines), and
-writes one JSON with every figure, every test outcome and the issue's goals. It imports no JAX,
+writes one JSON with every figure, every test outcome and the goals judged. It imports no JAX,
 so it runs even when JAX cannot start.
 """
 
@@ -92,7 +92,7 @@ def junit_outcomes(path: Path) -> dict:
 
 
 def goals(benchmarks: dict, mode: str) -> dict:
-    """The issue's goals, judged only on a GPU (a dry run's figures are CPU noise)."""
+    """The goals (train-step MFU, engine decode vs roofline), judged only on a GPU (a dry run's figures are CPU noise)."""
     judged = mode == "gpu"
     mfus = [r["mfu"] for r in benchmarks.get("gpu_train_mfu", []) if "mfu" in r]
     at64 = [r["fraction_of_roofline"] for r in benchmarks.get("gpu_engine_decode", [])
@@ -121,7 +121,7 @@ def summarize(work: Path, out: Path, mode: str, budget_s: float, elapsed_s: floa
     bad_tests = sum(t["counts"].get("failed", 0) + t["counts"].get("error", 0) + ("error" in t) for t in tests.values())
     bad_rows = sum("error" in r for rows in benchmarks.values() for r in rows)
     bad_items = [i["name"] for i in items if i["status"] != "ok"]
-    summary = {"check": "april_jax device check (issue 18)", "mode": mode, "budget_s": budget_s,
+    summary = {"check": "april_jax device check", "mode": mode, "budget_s": budget_s,
                "elapsed_s": round(elapsed_s, 1), "env": env, "items": items, "tests": tests,
                "benchmarks": benchmarks, "goals": goals(benchmarks, mode),
                "problems": {"failed_or_errored_tests": bad_tests, "benchmark_rows_with_error": bad_rows,

@@ -1,4 +1,4 @@
-"""Train-step MFU of Qwen3-0.6B- and 1.7B-shaped models against a measured bf16 matmul peak (issue 18).
+"""Train-step MFU of Qwen3-0.6B- and 1.7B-shaped models against a measured bf16 matmul peak.
 
     python benchmarks/gpu_train_mfu.py [--models qwen3-0.6b,qwen3-1.7b] [--remats none,full]
                                        [--batch 16] [--seq 2048] [--micro 4] [--steps 3] [--dry-run]
@@ -29,7 +29,7 @@ from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig, Trainer
 from gpu_common import bf16_matmul_peak_flops, device_info, device_peak_bytes, emit, model_config
 
-GOAL_MFU = 0.45  # issue 18's goal on an H200
+GOAL_MFU = 0.45  # the goal on an H200
 
 
 def matmul_params(cfg: qwen3.Qwen3Config) -> int:

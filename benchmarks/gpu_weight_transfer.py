@@ -1,4 +1,4 @@
-"""Trainer -> engine weight transfer on a GPU vs a raw copy of the same bytes (issue 18).
+"""Trainer -> engine weight transfer on a GPU vs a raw copy of the same bytes.
 
     python benchmarks/gpu_weight_transfer.py [--models qwen3-0.6b,qwen3-1.7b] [--param-dtype float32] [--dry-run]
 

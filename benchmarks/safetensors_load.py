@@ -1,5 +1,5 @@
 """Loading a real checkpoint through `safetensors.safe_open` (what models/safetensors_io.py uses
-now) vs the hand-written numpy-memmap reader it replaced (issue 17), back to back in one process.
+now) vs a hand-written numpy-memmap reader, back to back in one process.
 
     python benchmarks/safetensors_load.py [--reps 3]
 
@@ -18,7 +18,7 @@ import numpy as np
 
 
 class MemmapDir:
-    """The replaced reader: header parsed by hand, tensors as views of one np.memmap per file."""
+    """The hand-written reader: header parsed by hand, tensors as views of one np.memmap per file."""
 
     def __init__(self, path):
         import struct
@@ -50,7 +50,7 @@ class MemmapDir:
     def read(self, name, index=None):
         data, dtype, shape, a, b = self._entries[name]
         array = data[a:b].view(dtype).reshape(shape)
-        return np.array(array if index is None else array[index], copy=True)  # the old loader copied too
+        return np.array(array if index is None else array[index], copy=True)  # a copy, as the library's reader makes
 
 
 def main() -> None:

@@ -6,8 +6,7 @@ The peak is measured in the same run with a large jnp.dot (fp32), so machine noi
 FLOPs per step: the recompute of pi_old (forward, 2N per token) plus forward+backward of the
 update (6N per token), N = parameters including the lm_head, plus causal attention: the score and
 value products over the T^2 / 2 query-key pairs at or below the diagonal (6 L T^2 H D per sequence
-for fwd+bwd, 2 L T^2 H D for the extra forward), the work a causal kernel has to do. (Until the
-attention skipped masked blocks this counted all T^2 pairs, twice that attention figure.) With
+for fwd+bwd, 2 L T^2 H D for the extra forward), the work a causal kernel has to do. With
 --remat the recomputed forward is not counted: the fraction is of model FLOPs, as MFU is.
 """
 

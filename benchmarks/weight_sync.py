@@ -8,7 +8,7 @@ destination (write) -> torch tensors on the receiving side (safetensors.torch.lo
 Transports: `shm` (a new file in /dev/shm per sync), `file` (the temp dir's disk), and
 `shm_shared_buffer` (a fixed-layout file in /dev/shm overwritten in place: the shared-memory
 transport). `write_only` is the trainer's side; `sync` adds the receiver's load into torch.
-The CUDA-IPC transport of the vLLM issue is not measured here (no GPU, no vLLM).
+The CUDA-IPC transport is not measured here (no GPU, no vLLM).
 """
 
 from __future__ import annotations

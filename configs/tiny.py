@@ -33,7 +33,7 @@ def get_config():
     c.rollout.max_num_seqs = 128
     c.rollout.max_staleness = 3
     c.rollout.decode_steps_per_call = 2  # responses average ~8 tokens: longer calls leave slots idle
-    # a call costs ~3-5 ms here whatever its size (RESULTS.md, issue 14, session 7): pad prompts and
+    # on CPU a device call costs a few ms whatever its size (docs/performance.md): pad prompts and
     # resumed partials into one prefill / extend call rather than one per length bucket
     c.rollout.merge_padding_tokens = 1024
     # prompts are <= 24 tokens: one prompt-length bucket, half the prefill programs to compile (~2.5 s
@@ -45,7 +45,7 @@ def get_config():
     c.rollout.free_kv_cache_in_train = False
 
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
-    c.optimizer.lr = 5e-4  # 1e-3 learned faster but eroded on some seeds (RESULTS.md, issue 14, session 7)
+    c.optimizer.lr = 5e-4  # 1e-3 learned faster, but its eval gain eroded after ~20 steps on some seeds
     c.optimizer.max_grad_norm = 1.0
     c.train.total_steps = 30
     c.train.micro_batch_size = 64

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 18): GPU tests + benchmarks in one run, <= 8 minutes on one H200,
-# no network. Writes OUTDIR/device_check.json (every test outcome and figure, the issue's goals)
+# The prepared GPU check: GPU tests + benchmarks in one run, <= 8 minutes on one H200,
+# no network. Writes OUTDIR/device_check.json (every test outcome and figure, the goals judged)
 # and OUTDIR/device_check.log (everything printed), plus the pytest XML files.
 #
 #   scripts/device_check.sh OUTDIR              # on a CUDA machine (fails at once without a GPU)
@@ -15,7 +15,7 @@
 # own cap); steps that would start with under 30 s left are recorded as skipped. Steps run in
 # priority order: tests, train MFU (remat none), engine decode, weight transfer, the bf16 update
 # check, MFU (remat full).
-# On the device tool: `scripts/device_check.sh $OUT` with timeout_s 560.
+# With the default budget the whole run fits a 560-second wall-clock limit.
 # Exit status: 0 when every step ran and no test failed; the JSON is written either way.
 set -u -o pipefail
 
@@ -65,7 +65,7 @@ step() {
     printf '{"name": "%s", "rc": null, "seconds": 0, "status": "skipped: time budget"}\n' "$name" >>"$WORK/items.jsonl"
     return
   fi
-  # The caps guard a lent GPU's minutes; a dry run on a busy CPU gets whatever budget is left.
+  # The caps guard a GPU machine's minutes; a dry run on a busy CPU gets whatever budget is left.
   ((cap > left || DRY)) && cap=$left
   say "$name: start (limit ${cap}s): $*"
   t0=$(date +%s)

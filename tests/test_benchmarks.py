@@ -1,4 +1,4 @@
-"""The benchmark scripts still run and print what RESULTS.md quotes (the cheap simulated engine)."""
+"""The benchmark scripts still run and print what docs/performance.md quotes (the cheap simulated engine)."""
 
 import json
 import subprocess

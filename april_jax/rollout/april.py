@@ -10,7 +10,7 @@ One `collect` call is one training step's rollout, on any engine with the common
    group counts by its unfinished members (k of n counts k/n; `resume_count="group"`: whole, as
    slime), so the engine is as full after a resume as in a fresh step. With `refill="members"` the
    budget is the unfinished requests / n instead, refilled as members finish: the engine stays full
-   all step (issue 13; benchmarks/RESULTS.md, "APRIL under a roofline cost model").
+   all step (docs/performance.md, "APRIL vs synchronous rollout under a roofline cost model").
 3. A group counts when all its `n_samples_per_prompt` members are finished (stop, or truncated at
    the budget) and scored. The moment `rollout_batch_size` groups count, every other request is
    aborted; unfinished groups go to the buffer whole, with every token's behaviour logprob and version.

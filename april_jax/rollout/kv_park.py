@@ -3,7 +3,7 @@
 APRIL aborts every unfinished request at the end of a rollout step and resumes it next step as a
 new request whose prompt is the old prompt + the tokens generated so far. Without parking, the
 engine re-prefills all of it; on CPU a prefill token costs about as much as a decode token, so the
-re-prefills of long partial responses eat a fifth or more of the engine's time (benchmarks/RESULTS.md).
+re-prefills of long partial responses eat a fifth or more of the engine's time (docs/performance.md).
 
 With parking, `abort` copies each running row (KV of prompt + partial, all but the last token)
 into a side cache, keyed by the exact token ids; a later request whose prompt is exactly those ids
