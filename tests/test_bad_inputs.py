@@ -1,4 +1,4 @@
-"""Bad input and faults through the real CLI (issue #15): exit 2, one `error:` line naming the bad
+"""Bad input and faults through the real CLI: exit 2, one `error:` line naming the bad
 key / file / row, no traceback, and nothing lost or changed in the workdir.
 
 Every case is a subprocess (`python -m april_jax.train ...` / `python -m april_jax.ckpt ...`). Most

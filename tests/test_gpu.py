@@ -1,4 +1,4 @@
-"""GPU paths (issue 18), run by `pytest -m gpu` on a CUDA machine (scripts/device_check.sh) and
+"""GPU paths, run by `pytest -m gpu` on a CUDA machine (scripts/device_check.sh) and
 skipped elsewhere with the reason: cuDNN flash attention vs the XLA path, a bf16 train step vs
 fp32, the JAX engine's greedy tokens vs the model's own forward, sleep freeing the KV cache,
 DLPack JAX -> torch zero-copy, the CUDA IPC transport into a torch process, and the host

@@ -1,4 +1,4 @@
-"""Multi-process JAX training (issue 19): configs/tiny.py as 2 processes x 4 CPU devices (gloo
+"""Multi-process JAX training: configs/tiny.py as 2 processes x 4 CPU devices (gloo
 collectives, started by `python -m april_jax.launch`) against 1 process x 8 devices, the same
 mesh. Asserts identical metrics and checkpoints, a resume of the 2-process checkpoint in one
 process, that only process 0 writes the workdir's files, and the launcher's failure handling."""
