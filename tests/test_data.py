@@ -205,7 +205,7 @@ def test_a_template_that_does_not_parse_or_fails_is_one_line(tmp_path):
     config = folder / "tokenizer_config.json"
     config.write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m.content }"}))
     with pytest.raises(TokenizerError, match=rf"^{config}: the chat template does not parse \(template line 1: "):
-        ChatTokenizer(folder)
+        ChatTokenizer(folder).render("hi")
     config.write_text(json.dumps({"chat_template": "{{ raise_exception('roles must alternate') }}"}))
     with pytest.raises(TokenizerError, match=rf"^{config}: the chat template failed \(TemplateError: roles must alternate\)$"):
         ChatTokenizer(folder).render("hi")

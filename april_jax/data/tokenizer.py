@@ -160,7 +160,7 @@ class ChatTokenizer:
             check_regular_file(jinja_file)
             template, self.template_source = jinja_file.read_text(), str(jinja_file)
         self.template = _template_text(template, self.template_source) if chat and template is not None else None
-        self._compiled = self._compile(self.template) if self.template else None
+        self._compiled = None  # on first render: `ckpt` reads this folder for its eos id alone
         self.system_prompt = system_prompt
         self.template_kwargs = dict(template_kwargs or {})
         self.special = {k: cfg.get(k) for k in ("bos_token", "eos_token")}
@@ -184,7 +184,7 @@ class ChatTokenizer:
 
     def render(self, prompt: str | list[dict]) -> str:
         """The prompt text the model sees: the chat template applied with a generation prompt."""
-        if self._compiled is None:
+        if not self.template:
             if isinstance(prompt, str):
                 return prompt
             raise TokenizerError("a prompt given as chat messages needs a chat template (data.chat_template=true "
@@ -195,6 +195,8 @@ class ChatTokenizer:
         if self.system_prompt and messages[0]["role"] != "system":  # the row's own system turn wins
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         special = {k: (v["content"] if isinstance(v, dict) else v) for k, v in self.special.items()}
+        if self._compiled is None:
+            self._compiled = self._compile(self.template)
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=True,
                                          **{**special, **self.template_kwargs})
