@@ -250,6 +250,9 @@ def check_overrides(argv: list[str], flag: str = "config") -> None:
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The generated per-key checks, then the rules that relate keys; returns `c`."""
+    if not isinstance(c, ml_collections.ConfigDict):  # a config file's get_config() forgot to return it, or built its own
+        raise ConfigError(f"config: get_config() returned {type(c).__name__}, not a ConfigDict (start from "
+                          "april_jax.config.default_config(), change keys, and return it)")
     schema.check_values(schema.flat(c), SPECS, skip=SELF_CHECKED)
     rollout_cfg(c)  # before the rules below: a bad rollout key is blamed, not what uses it
     loss_cfg(c)

@@ -214,6 +214,17 @@ def test_a_wrong_type_inside_a_config_file_names_the_key(tmp_path):
     assert c.optimizer.lr == 3e-4
 
 
+def test_get_config_returning_no_config_dict_is_named(tmp_path):
+    from april_jax.train import load_config
+
+    file = tmp_path / "config.py"
+    for returned, kind in [("None", "NoneType"), ("{'seed': 1}", "dict")]:
+        file.write_text(f"def get_config():\n    return {returned}\n")
+        with pytest.raises(ConfigError, match=rf"^config: get_config\(\) returned {kind}, not a ConfigDict \(start from "
+                                              r"april_jax.config.default_config\(\)"):
+            load_config(["prog", "--config", str(file)])
+
+
 @pytest.mark.parametrize("name, value, why", [
     ("seed", -1, "must be in [0, 4294967295]"),
     ("seed", 2**32, "must be in [0, 4294967295]"),  # PRNGKey(2**32) is seed 0's key
