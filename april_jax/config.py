@@ -25,7 +25,14 @@ from april_jax.rl.train_step import OptimizerConfig
 from april_jax.rollout.april import RolloutConfig
 from april_jax.schema import ConfigError, key, section
 
-__all__ = ["ConfigError", "Config", "default_config", "validate", "check_overrides", "help_text", "fail"]
+__all__ = ["ConfigError", "Config", "default_config", "validate", "check_overrides", "help_text", "fail", "reward_spec"]
+
+# Upper bounds that catch a typo (1e23 written out) before anything is built, not capacity plans:
+# past them an allocation or a process count fails late (after the warm-up), or a seed wraps around.
+MAX_TOKENS = 1 << 22  # a prompt or context, in tokens: beyond every model's context window
+MAX_SEQS = 1 << 16  # sequences an engine decodes at once
+MAX_WORKERS = 1024  # reward processes
+MAX_SEED = 2**32 - 1  # jax.random.PRNGKey(2**32) is the key of seed 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +76,7 @@ class Data:
     system_prompt: str = key("", "system message put before each prompt (chat template only); empty: none")
     chat_template_kwargs: str = key("", "JSON object passed to the chat template, e.g. "
                                         "'{\"enable_thinking\": false}'")
-    max_prompt_len: int = key(512, "longest prompt in tokens (see data.overlong_prompt)", gt=0)
+    max_prompt_len: int = key(512, "longest prompt in tokens (see data.overlong_prompt)", gt=0, le=MAX_TOKENS)
     overlong_prompt: str = key("error", "a prompt longer than data.max_prompt_len: fail naming the row, or skip it "
                                         "(counted)", choices=("error", "skip"))
     tokenizer_path: str = key("", "dir with tokenizer.json (or asset:NAME, e.g. asset:qwen3-tokenizer); "
@@ -80,11 +87,12 @@ class Data:
 
 @dataclasses.dataclass(frozen=True)
 class Reward:
-    fn: str = key("math_verify", "'math_verify', 'reverse' (the tiny task) or 'module.path:function' "
-                                 "(see rl/rewards.py)")
+    fn: str = key("", "'math_verify', 'reverse' (the synthetic data.task='reverse' only) or your "
+                      "'module.path:function' (see rl/rewards.py); empty: the task's own (reverse for data.task="
+                      "'reverse', else math_verify)")
     timeout_s: float = key(5.0, "per reward call; a stuck call's worker is killed and replaced, its reward is 0",
                            gt=0, finite=True)
-    workers: int = key(2, "scoring processes, working while the engine generates", gt=0)
+    workers: int = key(2, "scoring processes, working while the engine generates", gt=0, le=MAX_WORKERS)
     overlong_buffer: int = key(0, "DAPO soft overlong punishment: the last N tokens of the budget are penalised "
                                   "linearly; 0: off", ge=0)
     overlong_factor: float = key(1.0, "the penalty at the budget's end (reward.overlong_buffer > 0)", ge=0,
@@ -95,9 +103,9 @@ class Reward:
 class Rollout(RolloutConfig):
     engine: str = key("jax", "generation engine: 'jax' (in-process), 'vllm' (a server), 'sim' (simulated "
                              "lengths, no model)", choices=("jax", "vllm", "sim"))
-    max_num_seqs: int = key(64, "sequences the engine decodes at once (its slots)", gt=0)
-    max_model_len: int = key(0, "longest prompt + response the engine holds; 0: data.max_prompt_len + "
-                                "rollout.max_response_len", ge=0)
+    max_num_seqs: int = key(64, "sequences the engine decodes at once (its slots)", gt=0, le=MAX_SEQS)
+    max_model_len: int = key(0, "longest prompt + response the engine holds (above the longest prompt); 0: "
+                                "data.max_prompt_len + rollout.max_response_len", ge=0, le=MAX_TOKENS)
     vllm_urls: str = key("", "vllm: comma-separated servers to attach to; empty: one is launched")
     vllm_python: str = key("", "vllm: interpreter with vllm installed (e.g. another venv); empty: this one if it "
                                "has vllm, else the repo's .venv-vllm")
@@ -193,7 +201,7 @@ class Log:
 @dataclasses.dataclass(frozen=True)
 class Config:
     workdir: str = key("runs/default", "where the run writes (checkpoints, metrics); rerun to resume")
-    seed: int = key(0, "seeds the model init, data order, sampling and the synthetic task")
+    seed: int = key(0, "seeds the model init, data order, sampling and the synthetic task", ge=0, le=MAX_SEED)
     model: Model = section(Model, "the policy")
     data: Data = section(Data, "prompts and their tokenization")
     reward: Reward = section(Reward, "scoring responses")
@@ -242,6 +250,9 @@ def check_overrides(argv: list[str], flag: str = "config") -> None:
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The generated per-key checks, then the rules that relate keys; returns `c`."""
+    if not isinstance(c, ml_collections.ConfigDict):  # a config file's get_config() forgot to return it, or built its own
+        raise ConfigError(f"config: get_config() returned {type(c).__name__}, not a ConfigDict (start from "
+                          "april_jax.config.default_config(), change keys, and return it)")
     schema.check_values(schema.flat(c), SPECS, skip=SELF_CHECKED)
     rollout_cfg(c)  # before the rules below: a bad rollout key is blamed, not what uses it
     loss_cfg(c)
@@ -260,7 +271,39 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if c.data.task == "file" and not c.data.train_path:
         raise ConfigError("config key 'data.train_path' is empty (data.task='file' needs a jsonl/parquet file)")
     chat_template_kwargs(c)
+    reward_spec(c)
     return c
+
+
+REWARD_BUILTINS = ("math_verify", "reverse")
+
+
+def reward_spec(c) -> str:
+    """`reward.fn` resolved for `data.task` ('' is the task's own), checked for form only: importing
+    the module is for the trainer (rewards.load_function), once it is about to score."""
+    spec, task = c.reward.fn.strip(), c.data.task
+    if not spec:
+        return "reverse" if task == "reverse" else "math_verify"
+    where = f"config key 'reward.fn'={c.reward.fn!r}"
+    if spec == "reverse" and task != "reverse":
+        raise ConfigError(f"{where}: scores the synthetic data.task='reverse' only (data.task={task!r}: use "
+                          "'math_verify' or your 'module.path:function')")
+    if spec == "math_verify" and task == "reverse":
+        raise ConfigError(f"{where}: data.task='reverse' answers are digit lists, scored by 'reverse' (or your "
+                          "'module.path:function'; empty: the task's own)")
+    if spec in REWARD_BUILTINS:
+        return spec
+    module, colon, name = spec.partition(":")
+    if not colon:
+        head, dot, tail = spec.rpartition(".")
+        hint = f"; did you mean {head + ':' + tail!r}?" if dot and head and tail.isidentifier() else ""
+        raise ConfigError(f"{where}: expected 'math_verify', 'reverse' or 'module.path:function' (no ':' before "
+                          f"the function's name){hint}")
+    if not all(part.isidentifier() for part in module.split(".")):
+        raise ConfigError(f"{where}: {module!r} is not a module path (dotted names, e.g. 'my_pkg.rewards')")
+    if not name.isidentifier():
+        raise ConfigError(f"{where}: {name!r} is not a function name")
+    return spec
 
 
 def chat_template_kwargs(c) -> dict:

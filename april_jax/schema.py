@@ -136,10 +136,14 @@ def section_docs(cls, prefix: str = "") -> dict[str, str]:
 
 
 def to_configdict(cls):
-    """The ml_collections ConfigDict of `cls`'s keys at their defaults (nested sections nested)."""
+    """The ml_collections ConfigDict of `cls`'s keys at their defaults (nested sections nested).
+
+    Not type-safe: ml_collections would reject a config file's `c.train.total_steps = "10"` inside
+    get_config with a traceback that names neither the key's section nor the file; let through,
+    `check_values` names the key (`config key 'train.total_steps' expects int, got '10'`)."""
     import ml_collections
 
-    c = ml_collections.ConfigDict()
+    c = ml_collections.ConfigDict(type_safe=False)
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("section"):

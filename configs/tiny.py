@@ -20,7 +20,6 @@ def get_config():
     c.model.tiny.rope_theta = 10_000.0  # positions a few tokens apart must differ (reversal is positional)
     c.data.task = "reverse"
     c.data.max_prompt_len = 24
-    c.reward.fn = "reverse"
     c.warmup.steps = 300
     c.warmup.reverse_frac = 0.35
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from april_jax.config import ConfigError
 from april_jax.data.types import PromptRecord
 from april_jax.rl.rewards import GroupScorer, RewardModel, RewardSample, call_form, load_function
 from april_jax.rollout.april import April, RolloutConfig
@@ -25,9 +26,9 @@ def test_call_form_is_read_from_the_signature():
     assert call_form(load_function("tests.reward_fns:by_group")) == "batched"
     assert call_form(load_function("tests.reward_fns:awaits")) == "async"
     assert call_form(load_function("math_verify")) == "sample"
-    with pytest.raises(ValueError, match="reward.fn='no_such_module:f': cannot import"):
+    with pytest.raises(ConfigError, match="config key 'reward.fn'='no_such_module:f': no module 'no_such_module'"):
         RewardModel("no_such_module:f")
-    with pytest.raises(ValueError, match="reward.fn='nocolon'"):
+    with pytest.raises(ConfigError, match="config key 'reward.fn'='nocolon': expected"):
         RewardModel("nocolon")
 
 

@@ -2,11 +2,13 @@
 position, and errors that name the file and line of a bad row.
 
 A prompt is a string or a list of chat messages `[{"role": ..., "content": ...}]` (verl's and
-TRL's format); the row's other fields travel with it to the reward function."""
+TRL's format; the roles chat templates know); the row's other fields travel with it to the reward
+function."""
 
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -14,9 +16,23 @@ import numpy as np
 
 from april_jax.data.types import PromptRecord
 
+# A template ignores (or fails on) a role it does not know: "wizard" would vanish from the prompt.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 
 class DataError(ValueError):
     """A missing file or a malformed row; the message names it."""
+
+
+def irregular_kind(file: Path) -> str | None:
+    """What `file` is when it is not a regular file ('a FIFO', 'a device', ...), else None. A FIFO
+    or a device would block its reader forever, or stream without end; `stat` tells without opening it."""
+    mode = file.stat().st_mode
+    if stat.S_ISREG(mode):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "not a plain file")
 
 
 def _json_safe(value):
@@ -36,17 +52,24 @@ def check_prompt(prompt, source: str, key: str) -> None:
         if not (isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)):
             raise DataError(f"{source}: field {key!r} message {i} must be {{'role': str, 'content': str}}, "
                             f"got {str(msg)[:80]}")
+        if msg["role"] not in CHAT_ROLES:
+            raise DataError(f"{source}: field {key!r} message {i} has role {msg['role'][:40]!r}, expected one of "
+                            f"{', '.join(CHAT_ROLES)}")
 
 
-def read_rows(path: str, prompt_key: str, answer_key: str) -> list[tuple]:
+def read_rows(path: str, prompt_key: str, answer_key: str, key: str = "data.train_path") -> list[tuple]:
     """[(prompt, answer, source, other fields)] where source is 'file:line' (jsonl) or 'file:row'
-    (parquet) and prompt is a string or a list of chat messages."""
+    (parquet) and prompt is a string or a list of chat messages. `key`: the config key that named
+    the file, for the messages about the file itself."""
     file = Path(path)
     if not file.exists():
         raise DataError(f"{file}: dataset file not found")
     rows = []
     if file.is_dir():
         raise DataError(f"{file}: a directory, not a dataset file")
+    kind = irregular_kind(file)
+    if kind:
+        raise DataError(f"config key {key!r}={str(path)!r}: {kind}, not a regular file (give a .jsonl or .parquet file)")
     if file.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -95,6 +118,7 @@ class PromptDataset:
         self.max_prompt_len = max_prompt_len
         self.epoch, self.index = 0, 0
         self.skipped: list[str] = []  # sources of prompts dropped as longer than max_prompt_len
+        self.longest: tuple[int, str] | None = None  # (tokens, source) of the longest prompt kept
         if max_prompt_len:
             self._check_lengths(overlong)
 
@@ -103,9 +127,14 @@ class PromptDataset:
         hours in (and again on every resume); with overlong='skip' it is left out and counted."""
         fits = []
         for row in self.rows:
-            n = len(self.encode(row[0]))
+            try:
+                n = len(self.encode(row[0]))
+            except ValueError as e:  # the tokenizer's: a chat template that fails, or refuses, on this row
+                raise DataError(f"{row[2]}: {e}") from None
             if n <= self.max_prompt_len:
                 fits.append(row)
+                if self.longest is None or n > self.longest[0]:
+                    self.longest = (n, row[2])
             elif overlong == "skip":
                 self.skipped.append(row[2])
             else:

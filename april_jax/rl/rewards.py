@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import dataclasses
+import difflib
 import importlib
 import inspect
 import math
@@ -36,6 +37,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from april_jax.data import reverse
+from april_jax.schema import ConfigError
 
 # Pool workers re-run a `python -m pkg.mod` trainer's module as __mp_main__ after the fork server
 # preloaded it (see RewardModel); runpy warns about exactly that, harmlessly, once per worker.
@@ -95,17 +97,37 @@ BUILTIN = {"math_verify": math_verify_reward, "reverse": reverse_reward}
 
 
 def load_function(spec: str) -> Callable:
+    """The function `spec` names ('math_verify', 'reverse' or 'module.path:function'), imported.
+    Every way it can be wrong is a ConfigError naming reward.fn: this runs in the trainer before
+    anything is built, so a typo is one line, not a traceback from a worker."""
     if spec in BUILTIN:
         return BUILTIN[spec]
-    module, _, name = spec.partition(":")
-    if not name:
-        raise ValueError(f"reward.fn={spec!r}: expected 'math_verify', 'reverse' or 'module.path:function'")
+    where = f"config key 'reward.fn'={spec!r}"
+    module_name, _, name = spec.partition(":")
+    if not name or not module_name:
+        raise ConfigError(f"{where}: expected 'math_verify', 'reverse' or 'module.path:function'")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.fn={spec!r}: cannot import ({e})") from None
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = e.name or module_name
+        why = (f"no module {module_name!r} (is its folder the current one, or on PYTHONPATH?)"
+               if module_name == missing or module_name.startswith(missing + ".")
+               else f"importing {module_name!r} failed: it imports {missing!r}, which is not installed")
+        raise ConfigError(f"{where}: {why}") from None
+    except BaseException as e:  # the module's own code failed (a SyntaxError, an exception, even sys.exit)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise ConfigError(f"{where}: importing {module_name!r} failed ({type(e).__name__}"
+                          f"{': ' + detail if detail else ''})") from None
+    if not hasattr(module, name):
+        public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+        near = difflib.get_close_matches(name, public, n=1)
+        raise ConfigError(f"{where}: module {module_name!r} has no {name!r}"
+                          + (f"; did you mean {module_name + ':' + near[0]!r}?" if near else ""))
+    fn = getattr(module, name)
     if not callable(fn):
-        raise ValueError(f"reward.fn={spec!r}: not a function")
+        raise ConfigError(f"{where}: {name!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
