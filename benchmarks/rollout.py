@@ -337,7 +337,7 @@ def compare(args) -> dict:
         out["april_inflight_limit_last"] = april["steps"][-1].get("rollout/inflight_limit")
         for name, r in (("april", april), ("sync", sync)):
             for key in ("e2e_tokens_per_s", "e2e_steps_per_s"):
-                out[f"{name}_{key}"] = round(r[key], 4 if "steps" in key else 1)
+                out[f"{name}_{key}"] = round(r[key], 7 if "steps" in key else 1)
             out[f"{name}_e2e_tokens_per_s_per_gpu"] = round(r["e2e_tokens_per_s"] / out["gpus"], 1)
             out[f"{name}_train_time_frac"] = round(r["train_time_s"] / r["e2e_time_s"], 4)
             out[f"{name}_prefill_time_frac"] = round(r["prefill_time_frac"], 4)
