@@ -14,8 +14,9 @@ What the engine does, vLLM-like:
   preempted by recompute (its KV freed, its tokens kept; readmitted first, re-prefilling prompt +
   tokens);
 - a group's prompt is prefilled once while any of its members is resident (prefix caching);
-- with `reuse_aborted_kv`, an aborted request's KV stays in memory (parked, counted against the
-  budget) and a resume of exactly those tokens skips its prefill; otherwise it re-prefills;
+- with `reuse_aborted_kv` (default: as a prefix cache keeps freed blocks), an aborted request's KV
+  stays in memory (parked, counted against the budget, dropped first under pressure) and a resume of
+  exactly those tokens skips its prefill; otherwise it re-prefills;
 - abort and weight sync cost what the cost model says.
 
 Deployment, i.e. what happens to the engine during the train step (`update_weights`):
