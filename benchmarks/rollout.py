@@ -1,25 +1,35 @@
 """APRIL vs the synchronous baseline on the same engine and the same prompts.
 
-    python benchmarks/rollout.py --engine sim [--cost h200-qwen3-4b] [--replicas 8] [--steps 8] [--seed 0] [--png busy.png]
+    python benchmarks/rollout.py --engine sim [--cost h200-qwen3-4b] [--replicas 8] [--steps 8] [--seed 0]
+                                 [--deployment colocated|disaggregated] [--png busy.png]
     python benchmarks/rollout.py --engine sim --cost cpu-jax       # the earlier CPU-calibrated model, one engine
     python benchmarks/rollout.py --engine jax [--steps 8] [--length-scale 0.03125] [--reuse-aborted-kv]
 
 Both modes: 32 groups x 8 samples per step, the seed's long-tailed length distribution (scaled
-for the JAX engine so it fits on CPU). Sync: over_sampling_batch_size = rollout_batch_size = 32,
-partial_rollout off. APRIL: over-sampling 64, partial rollout on. The policy version goes up by one
-after every step, as in training. Throughput counts only response tokens of groups delivered to
-training, over the steps after the first, divided by the engine time of those steps (weight syncs
-included). On the simulated engine (`--cost`: a GPU roofline preset, `april_jax/rollout/cost_model.py`)
-every replica has its own KV budget and groups are routed whole; `limit_tokens_per_s` is the
-counted tokens over the least time any schedule needs for them under the same cost model, memory
-and staleness cap (each response's tokens within the steps its cap allows: `max_staleness` for
-APRIL, 0 for sync; `cost_model.time_lower_bound_s` with windows), per run;
-`free_limit_tokens_per_s` drops the staleness windows. On a roofline preset APRIL runs the design of
-issue 13 by default (refill as members finish, aborted KV parked within the budget, requests in
-flight sized by the cap and the KV budget, max_staleness 4: at most 5 policy versions per response);
-`--refill groups --re-prefill --inflight over_sampling` is the orchestrator before it. On the JAX engine the model is a tiny random
-Qwen3 whose responses stop at lengths drawn from the same distribution (via a per-sample length
-budget), so the length tail is the seed's and not an accident of random weights.
+for the JAX engine so it fits on CPU). APRIL is the product's defaults (`RolloutConfig()`: what
+`rollout.partial_rollout=true` runs on every engine); a flag overrides one setting only when given.
+Sync: over_sampling_batch_size = rollout_batch_size = 32, partial_rollout off. The policy version
+goes up by one after every step, as in training.
+
+Accounting (figures over the steps after the first quarter, `--warmup-steps`):
+- delivered tokens only: response tokens of the groups delivered to training; tokens still in
+  APRIL's buffer at the end are not counted; `dropped_tokens` is over every step, warm-up included;
+- rollout time: the engine's time of those steps (prefills, aborts, weight syncs and, colocated,
+  sleep and wake included); `rollout_speedup` (also `speedup`) is APRIL's delivered tokens/s over sync's;
+- end to end (`--engine sim`): each step also trains, 6 x params x (prompt + response tokens
+  delivered) at the cost model's `train_mfu` on the training GPUs (`cost_model.Roofline.train_step_s`);
+  `e2e_speedup` is APRIL's steps per second over sync's (both deliver 32 x 8 responses a step);
+- `--deployment colocated` (default): rollout and training share the `--replicas` GPUs; the engine
+  sleeps through each train step and loses its KV (resumed requests re-prefill). `disaggregated`:
+  the engine keeps its KV (resumes skip the prefill) on GPUs of its own, and training runs on
+  `--train-gpus` more (default: as many), reported in `gpus`;
+- `free_limit_tokens_per_s`: the delivered tokens over the least time any schedule needs for them
+  on these replicas (every slot busy, KV budget full, each prompt prefilled once, the syncs and
+  sleeps paid; `cost_model.time_lower_bound_s`): independent of the schedule and of any staleness
+  cap; `april_fraction_of_free_limit` is the headline fraction.
+On the JAX engine the model is a tiny random Qwen3 whose responses stop at lengths drawn from the
+same distribution (via a per-sample length budget), so the length tail is the seed's and not an
+accident of random weights; `limit_tokens_per_s` there is measured with every slot busy.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import numpy as np
 from april_jax.data.types import PromptRecord
 from april_jax.rollout.april import April, RolloutConfig
 from april_jax.rollout import cost_model
-from april_jax.rollout.sim_engine import draw_length
+from april_jax.rollout.sim_engine import DEPLOYMENTS, draw_length, length_key
 from april_jax.rollout.sim_replicas import SimReplicas
 
 
@@ -61,7 +71,7 @@ class LengthBudgetEngine:
 
         out = []
         for r in requests:
-            total = draw_length(self.seed, r.sample_key, self.scale)
+            total = draw_length(self.seed, length_key(r.sample_key), self.scale)
             left = max(1, total - self.progress.get(r.sample_key, 0))
             natural = left <= r.max_new_tokens
             self.budget[r.request_id] = (r.sample_key, natural)
@@ -85,16 +95,21 @@ class LengthBudgetEngine:
 
 def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prompt_len: int,
                 prefill_ms=None, min_prefill_batch: int = 1, reuse_aborted_kv: bool = False, steps_per_call: int = 8,
-                cost: str = "cpu-jax", replicas: int = 1, step_overhead_ms=None):
+                cost: str = "cpu-jax", replicas: int = 1, step_overhead_ms=None, deployment: str = "colocated",
+                train_mfu=None):
     if kind == "sim":
         overrides = {}
         if cost == "cpu-jax" and prefill_ms is not None:
             overrides["p"] = prefill_ms / 1000
         if cost != "cpu-jax" and step_overhead_ms is not None:
             overrides["step_overhead_s"] = step_overhead_ms / 1000
+        if cost != "cpu-jax" and train_mfu is not None:
+            overrides["train_mfu"] = train_mfu
         model = cost_model.make(cost, slots, **overrides)
+        # the simulated engine keeps aborted KV as a prefix cache would; the deployment decides whether
+        # it survives the train step
         return SimReplicas(replicas, slots=slots, cost=model, seed=seed, length_scale=length_scale,
-                           reuse_aborted_kv=reuse_aborted_kv)
+                           deployment=deployment)
     from april_jax.models import qwen3
 
     cfg = qwen3.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -111,15 +126,29 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
     return LengthBudgetEngine(engine, seed, length_scale, nnx.state(model))
 
 
+# flags that override one APRIL setting when given (None: the product default)
+OVERRIDES = ("over_sampling_batch_size", "max_staleness", "stale_policy", "refill", "resume_count", "inflight",
+             "finish_wait", "inflight_headroom")
+
+
 def rollout_config(mode: str, args) -> RolloutConfig:
-    sync = mode == "sync"
-    return RolloutConfig(rollout_batch_size=32, n_samples_per_prompt=8,
-                         over_sampling_batch_size=32 if sync else args.over_sampling, partial_rollout=not sync,
-                         max_response_len=args.max_response_len, max_staleness=args.max_staleness, temperature=1.0,
-                         refill="groups" if sync else args.refill, resume_count=args.resume_count,
-                         stale_policy=args.stale_policy, inflight="over_sampling" if sync else args.inflight,
-                         **{k: getattr(args, k) for k in ("finish_wait", "inflight_headroom")
-                            if getattr(args, k, None) is not None})
+    common = dict(rollout_batch_size=32, n_samples_per_prompt=8, max_response_len=args.max_response_len,
+                  temperature=1.0)
+    if mode == "sync":
+        return RolloutConfig(**common, over_sampling_batch_size=32, partial_rollout=False)
+    given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k, None) is not None}
+    return RolloutConfig(**common, partial_rollout=True, **given)
+
+
+def train_gpus(args) -> int:
+    return args.replicas if args.deployment == "colocated" else (args.train_gpus or args.replicas)
+
+
+def end_to_end(rollout_s: float, train_s: list[float], delivered_tokens: float) -> dict:
+    """A run's end-to-end figures: its steps one after another, each its rollout then its train step."""
+    total = rollout_s + sum(train_s)
+    return {"e2e_time_s": total, "e2e_steps_per_s": len(train_s) / total, "e2e_tokens_per_s": delivered_tokens / total,
+            "train_time_s": sum(train_s)}
 
 
 def run(mode: str, args) -> dict:
@@ -127,88 +156,65 @@ def run(mode: str, args) -> dict:
     engine = make_engine(args.engine, args.seed, args.slots, args.length_scale, args.max_response_len,
                          args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch,
                          args.reuse_aborted_kv and mode != "sync", args.decode_steps_per_call, args.cost, args.replicas,
-                         args.step_overhead_ms)
+                         args.step_overhead_ms, args.deployment, args.train_mfu)
     april = April(cfg, prompts(args.seed, args.prompt_len))
     w = args.warmup_steps
     delivered_tokens = on_policy = weight = 0.0
-    useful = useful_ctx = 0
-    prompt_lens, lengths = [], []
+    ctx_sum = 0
+    prompt_lens, lengths, train_s = [], [], []
     steps, timeline = [], []
-    windows = []  # per response with tokens in the window: tokens, sum sqrt(context), context sum, first, last step
-    # the staleness a delivered response can have: its tokens come from the steps [d - cap, d]
-    cap = cfg.max_staleness if cfg.partial_rollout else 0
-
-    def count_useful(g, step=None):  # tokens generated in the window (versions >= w): their number and context sum
-        nonlocal useful, useful_ctx
-        for s in g.samples:
-            index = np.flatnonzero(np.asarray(s.response_versions, np.int64) >= w)
-            if not index.size:
-                continue
-            ctx = len(s.prompt_ids) + index
-            useful += index.size
-            useful_ctx += int(ctx.sum())
-            first, last = (0, args.steps - w - 1) if step is None else (max(step - cap, w) - w, step - w)
-            windows.append((index.size, float(np.sqrt(ctx).sum()), float(ctx.sum()), first, last))
-
     for step in range(args.steps):
         if step == w:
             start, s_start = engine.now(), engine.stats()
         groups, m = april.collect(engine, version=step)
         assert len(groups) == 32 and all(len(g.samples) == 8 for g in groups)
-        # the simulated engine has no model: its syncs cost what the cost model says
+        # the simulated engine has no model: its syncs (and, colocated, the sleep) cost what the cost model says
         engine.update_weights(engine.params if args.engine == "jax" else None, step + 1)
         steps.append(m)
         timeline += engine.timeline  # the engine keeps only its latest points: drain them every step
         engine.timeline.clear()
         if step >= w:
             delivered_tokens += m["rollout/tokens"]
+            trained = 0
             for g in groups:
-                if min(min(s.response_versions) for s in g.samples) >= w:  # prefilled within the window
-                    prompt_lens.append(len(g.prompt.prompt_ids))
-                count_useful(g, step)
+                prompt_lens.append(len(g.prompt.prompt_ids))
                 for s in g.samples:
                     stale = step - np.asarray(s.response_versions)
                     on_policy += float(np.sum(stale == 0))
                     weight += float(np.sum(0.9 ** stale))
                     lengths.append(len(s.response_ids))
-    buffered_before = useful
-    for g in april.buffer.groups():
-        count_useful(g)
+                    ctx_sum += cost_model.delivered_ctx_sum(len(s.prompt_ids), len(s.response_ids))
+                    trained += len(s.prompt_ids) + len(s.response_ids)
+            if args.engine == "sim":
+                train_s.append(engine.cost.train_step_s(trained, train_gpus(args)))
     time = engine.now() - start
     s_end = engine.stats()
     window = steps[w:]
-    out = {"delivered_tokens_per_s": delivered_tokens / time, "useful_tokens_per_s": useful / time,
-           "buffered_token_frac": (useful - buffered_before) / max(useful, 1),
-           "off_policy_token_frac": 1 - on_policy / delivered_tokens,
-           "dropped_tokens": sum(m["rollout/dropped_tokens"] for m in window),
-           # inflight=auto's finish_wait: engine time spent past the target, and groups delivered in a fresher one's place
+    buffered = sum(len(s.response_ids) for g in april.buffer.groups() for s in g.samples)
+    out = {"delivered_tokens_per_s": delivered_tokens / time, "delivered_tokens": delivered_tokens,
+           "buffered_tokens_end": buffered, "off_policy_token_frac": 1 - on_policy / delivered_tokens,
+           "dropped_tokens": sum(m["rollout/dropped_tokens"] for m in steps),
+           # finish_wait: engine time spent past the target, and groups delivered in a fresher one's place
            "finish_wait_s": sum(m.get("rollout/finish_wait_s", 0.0) for m in window),
            "swapped_groups": sum(m.get("rollout/swapped_groups", 0) for m in window),
            "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in window) / delivered_tokens,
            "occupancy": float(np.mean([m["rollout/occupancy"] for m in window])),
            "on_policy_token_frac": on_policy / delivered_tokens, "mean_loss_weight": weight / delivered_tokens,
            "delivered_len_mean": float(np.mean(lengths)), "staleness_max": max(m["rollout/staleness_max"] for m in steps),
-           "timeline": timeline, "steps": steps}
+           "time_s": time, "timeline": timeline, "steps": steps}
     out["tokens_per_s"] = out["delivered_tokens_per_s"]
     if args.engine == "sim":
-        # Tokens generated in the window and delivered, or still in the buffer at its end: the
-        # steady-state delivery rate without crediting tokens generated before the window (a
-        # 20-step window is short beside APRIL's buffer); equal to the delivered rate for sync.
-        out["tokens_per_s"] = out["useful_tokens_per_s"]
         replicas = len(engine.replicas)
-        kw = dict(tokens=useful, ctx_sum=useful_ctx, prompt_lens=prompt_lens, slots=args.slots, replicas=replicas,
-                  syncs=args.steps - w)
-        free = cost_model.time_lower_bound_s(engine.cost, **kw)
-        bound = free
-        if not isinstance(engine.cost, cost_model.LinearCPU):
-            cols = np.asarray(windows, float).T
-            bound = cost_model.time_lower_bound_s(engine.cost, **kw, windows=cost_model.StalenessWindows(
-                tokens=cols[0], sqrt_ctx=cols[1], ctx=cols[2], first=cols[3].astype(int), last=cols[4].astype(int),
-                steps=args.steps - w))
-        out.update(limit_tokens_per_s=useful / bound, free_limit_tokens_per_s=useful / free, time_s=time,
+        free = cost_model.time_lower_bound_s(engine.cost, tokens=int(delivered_tokens), ctx_sum=ctx_sum,
+                                             prompt_lens=prompt_lens, slots=args.slots, replicas=replicas,
+                                             syncs=args.steps - w)
+        if args.deployment == "colocated":  # every schedule sleeps through the same train steps
+            free += (args.steps - w) * engine.cost.sleep_wake_s()
+        out.update(free_limit_tokens_per_s=delivered_tokens / free, **end_to_end(time, train_s, delivered_tokens),
                    prefill_time_frac=(s_end.prefill_time_s - s_start.prefill_time_s) / (replicas * time),
                    kv_bytes_peak=s_end.kv_bytes_peak, kv_bytes_budget=engine.cost.kv_budget_bytes,
-                   preempted=s_end.preempted - s_start.preempted)
+                   preempted=s_end.preempted - s_start.preempted, kv_reused=s_end.kv_reused - s_start.kv_reused,
+                   kv_lost_in_sleep=s_end.kv_lost_in_sleep - s_start.kv_lost_in_sleep)
     return out
 
 
@@ -219,6 +225,12 @@ def main():
                         help="sim only: a roofline preset (h200-qwen3-4b, h100-qwen3-4b, h200-qwen3-8b) or cpu-jax")
     parser.add_argument("--replicas", type=int, default=None, help="sim only: engine replicas, one per GPU "
                         "(default 8 for a roofline preset, 1 for cpu-jax)")
+    parser.add_argument("--deployment", choices=DEPLOYMENTS, default="colocated",
+                        help="sim only: rollout and training share the GPUs (the engine sleeps through the train "
+                        "step and loses its KV), or the engine has GPUs of its own and keeps its KV")
+    parser.add_argument("--train-gpus", type=int, default=None,
+                        help="sim, disaggregated: training GPUs beside the rollout replicas (default: as many)")
+    parser.add_argument("--train-mfu", type=float, default=None, help="roofline presets: training MFU (default 0.35)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=None,
@@ -231,26 +243,20 @@ def main():
     parser.add_argument("--max-response-len", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="default: 64 x length scale, at least 8 (all lengths scaled alike)")
-    parser.add_argument("--over-sampling", type=int, default=64, help="APRIL's over_sampling_batch_size")
-    parser.add_argument("--max-staleness", type=int, default=None,
-                        help="default: 4 on a roofline preset (at most 5 policy versions per response), else 5")
-    parser.add_argument("--stale-policy", choices=["restart", "drop_group"], default="restart")
-    parser.add_argument("--refill", choices=["groups", "members"], default=None,
-                        help="APRIL's in-flight budget (default: members on a roofline preset, else groups)")
-    parser.add_argument("--resume-count", choices=["fraction", "group"], default="fraction")
-    parser.add_argument("--inflight", choices=["over_sampling", "auto"], default=None,
-                        help="APRIL's in-flight limit (default: auto on a roofline preset, else over_sampling)")
-    parser.add_argument("--finish-wait", type=float, default=None,
-                        help="inflight=auto: rollout.finish_wait (default: the config's, 1.0; 0: off)")
-    parser.add_argument("--inflight-headroom", type=float, default=None,
-                        help="inflight=auto: rollout.inflight_headroom (default: the config's, 0.75)")
+    default = RolloutConfig()
+    for name, kind, choices in (("over_sampling_batch_size", int, None), ("max_staleness", int, None),
+                                ("stale_policy", str, ("restart", "drop_group")), ("refill", str, ("groups", "members")),
+                                ("resume_count", str, ("fraction", "group")), ("inflight", str, ("over_sampling", "auto")),
+                                ("finish_wait", float, None), ("inflight_headroom", float, None)):
+        flag = "--over-sampling" if name == "over_sampling_batch_size" else "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, type=kind, choices=choices, default=None,
+                            help=f"APRIL's rollout.{name} (default: the product's, {getattr(default, name)!r})")
     parser.add_argument("--prefill-ms-per-token", type=float, default=None,
                         help="--cost cpu-jax only; default: the CPU-calibrated 0.73")
     parser.add_argument("--step-overhead-ms", type=float, default=None, help="roofline presets: per decode step (default 1)")
     parser.add_argument("--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free")
     parser.add_argument("--reuse-aborted-kv", action="store_true",
-                        help="APRIL's resumed requests take their parked KV instead of a re-prefill (default on a roofline preset)")
-    parser.add_argument("--re-prefill", action="store_true", help="roofline presets: resumed requests re-prefill")
+                        help="jax only: APRIL's resumed requests take their parked KV instead of a re-prefill")
     parser.add_argument("--decode-steps-per-call", type=int, default=8, help="jax only")
     parser.add_argument("--png", default=None, help="write busy slots over time for both modes")
     parser.add_argument("--full", action="store_true", help="also print per-step metrics")
@@ -259,15 +265,10 @@ def main():
         args.replicas = 8 if args.engine == "sim" and args.cost != "cpu-jax" else 1
     if args.engine == "sim" and args.cost != "cpu-jax" and args.cost not in cost_model.PRESETS:
         parser.error(f"--cost {args.cost!r}: unknown; choose from cpu-jax, {', '.join(cost_model.PRESETS)}")
-    design = args.engine == "sim" and args.cost != "cpu-jax"  # the design of issue 13 on the roofline presets
-    if args.max_staleness is None:
-        args.max_staleness = 4 if design else 5
-    if args.inflight is None:
-        args.inflight = "auto" if design else "over_sampling"
-    if args.refill is None:
-        args.refill = "members" if design else "groups"
-    if design and not args.re_prefill:
-        args.reuse_aborted_kv = True
+    if args.train_gpus is not None and (args.train_gpus <= 0 or args.deployment != "disaggregated"):
+        parser.error(f"--train-gpus {args.train_gpus}: a positive count, with --deployment disaggregated only")
+    if args.train_mfu is not None and not 0 < args.train_mfu <= 1:
+        parser.error(f"--train-mfu {args.train_mfu}: must be in (0, 1]")
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 4)
     if not 0 < args.warmup_steps < args.steps:
@@ -286,57 +287,69 @@ def main():
 def compare(args) -> dict:
     if args.engine == "sim":
         sync, april = run("sync", args), run("april", args)
-        limits = [april["limit_tokens_per_s"]]
+        limits = [april["free_limit_tokens_per_s"]]
     else:
         # Measured before and after the two runs and averaged: this machine drifts by 10-20% over
         # minutes, and a limit taken at one end only would tilt the fractions.
         limits = [measure_jax_limit(args)]
         sync, april = run("sync", args), run("april", args)
         limits.append(measure_jax_limit(args))
-    limit = float(np.mean(limits))
+    cfg = rollout_config("april", args)
     out = {
         "benchmark": "rollout", "engine": args.engine, "steps": args.steps, "warmup_steps": args.warmup_steps, "seed": args.seed, "slots": args.slots,
         "length_scale": args.length_scale, "max_response_len": args.max_response_len, "prompt_len": args.prompt_len,
         "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
         "reuse_aborted_kv": args.reuse_aborted_kv, "decode_steps_per_call": args.decode_steps_per_call,
-        "over_sampling": args.over_sampling, "max_staleness": args.max_staleness, "refill": args.refill,
-        "resume_count": args.resume_count, "stale_policy": args.stale_policy, "inflight": args.inflight,
+        "over_sampling": cfg.over_sampling_batch_size, **{k: getattr(cfg, k) for k in OVERRIDES[1:]},
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
-        "speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
-        "limit_tokens_per_s": round(limit, 1), "limit_before_after": [round(x, 1) for x in limits],
-        "april_fraction_of_limit": round(april["tokens_per_s"] / limit, 3),
-        "sync_fraction_of_limit": round(sync["tokens_per_s"] / sync.get("limit_tokens_per_s", limit), 3),
+        "rollout_speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
         "april_occupancy": round(april["occupancy"], 3), "sync_occupancy": round(sync["occupancy"], 3),
         "off_policy_token_frac": round(april["off_policy_token_frac"], 3),
         "april_prefill_tokens_per_response_token": round(april["prefill_tokens_per_response_token"], 2),
         "sync_prefill_tokens_per_response_token": round(sync["prefill_tokens_per_response_token"], 2),
-        "dropped_tokens": april["dropped_tokens"],
-        "april_delivered_tokens_per_s": round(april["delivered_tokens_per_s"], 1),
-        "april_buffered_token_frac": round(april["buffered_token_frac"], 4),
+        "dropped_tokens": april["dropped_tokens"], "sync_dropped_tokens": sync["dropped_tokens"],
+        "april_delivered_tokens": april["delivered_tokens"], "sync_delivered_tokens": sync["delivered_tokens"],
+        "april_buffered_tokens_end": april["buffered_tokens_end"],
+        "delivered_len_ratio": round(april["delivered_len_mean"] / sync["delivered_len_mean"], 4),
         "april_staleness_max": april["staleness_max"],
-        "april_finish_wait_frac": round(april["finish_wait_s"] / april["time_s"], 4) if april.get("time_s") else 0.0,
+        "april_finish_wait_frac": round(april["finish_wait_s"] / april["time_s"], 4),
         "april_swapped_groups": april["swapped_groups"],
     }
+    out["speedup"] = out["rollout_speedup"]
     for name, r in (("april", april), ("sync", sync)):
         for key in ("on_policy_token_frac", "mean_loss_weight", "delivered_len_mean"):
             out[f"{name}_{key}"] = round(r[key], 4)
     if args.engine == "sim":
-        out["cost"] = april_cost = make_engine("sim", 0, args.slots, 1.0, 1, 1, args.prefill_ms_per_token,
-                                               cost=args.cost, step_overhead_ms=args.step_overhead_ms).cost.describe()
+        out["cost"] = make_engine("sim", 0, args.slots, 1.0, 1, 1, args.prefill_ms_per_token, cost=args.cost,
+                                  step_overhead_ms=args.step_overhead_ms, train_mfu=args.train_mfu).cost.describe()
         out["replicas"] = args.replicas
-        budget = april_cost.get("kv_budget_bytes")
-        out["kv_bytes_budget"] = budget
-        out["sync_limit_tokens_per_s"] = round(sync["limit_tokens_per_s"], 1)
-        # the limits without the staleness windows (any schedule, any staleness): what the cap costs
+        out["deployment"] = args.deployment
+        out["train_gpus"] = train_gpus(args)
+        out["gpus"] = args.replicas if args.deployment == "colocated" else args.replicas + train_gpus(args)
+        out["kv_bytes_budget"] = out["cost"].get("kv_budget_bytes")
+        out["e2e_speedup"] = round(april["e2e_steps_per_s"] / sync["e2e_steps_per_s"], 3)
+        out["e2e_token_speedup"] = round(april["e2e_tokens_per_s"] / sync["e2e_tokens_per_s"], 3)
+        # the schedule-independent bound, each run's own delivered tokens: APRIL's is the headline fraction
         out["free_limit_tokens_per_s"] = round(april["free_limit_tokens_per_s"], 1)
+        out["sync_free_limit_tokens_per_s"] = round(sync["free_limit_tokens_per_s"], 1)
         out["april_fraction_of_free_limit"] = round(april["tokens_per_s"] / april["free_limit_tokens_per_s"], 3)
         out["sync_fraction_of_free_limit"] = round(sync["tokens_per_s"] / sync["free_limit_tokens_per_s"], 3)
         out["april_inflight_limit_last"] = april["steps"][-1].get("rollout/inflight_limit")
         for name, r in (("april", april), ("sync", sync)):
+            for key in ("e2e_tokens_per_s", "e2e_steps_per_s"):
+                out[f"{name}_{key}"] = round(r[key], 7 if "steps" in key else 1)
+            out[f"{name}_e2e_tokens_per_s_per_gpu"] = round(r["e2e_tokens_per_s"] / out["gpus"], 1)
+            out[f"{name}_train_time_frac"] = round(r["train_time_s"] / r["e2e_time_s"], 4)
             out[f"{name}_prefill_time_frac"] = round(r["prefill_time_frac"], 4)
             out[f"{name}_kv_bytes_peak"] = r["kv_bytes_peak"]
             out[f"{name}_preempted"] = r["preempted"]
+            out[f"{name}_kv_reused"] = r["kv_reused"]
             out[f"{name}_time_s"] = round(r["time_s"], 2)
+    else:
+        limit = float(np.mean(limits))
+        out.update(limit_tokens_per_s=round(limit, 1), limit_before_after=[round(x, 1) for x in limits],
+                   april_fraction_of_limit=round(april["tokens_per_s"] / limit, 3),
+                   sync_fraction_of_limit=round(sync["tokens_per_s"] / limit, 3))
     if getattr(args, "png", None):
         plot(sync["timeline"], april["timeline"], args)
     if getattr(args, "full", False):

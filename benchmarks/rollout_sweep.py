@@ -2,10 +2,10 @@
 
     python benchmarks/rollout_sweep.py --cost h200-qwen3-4b --seeds 0 1 2 [--steps 20] [--sections all] [--jobs 2] [--markdown]
 
-Every row runs APRIL with the headline design (`DESIGN`) or a variant of it, against the
-synchronous baseline on the same preset, replicas, prompts, length draws and response budget;
-each (row, seed) prints one JSON line, then one summary line per row with mean / min / max over
-the seeds. `--markdown` prints the summary as the tables of benchmarks/RESULTS.md.
+Every row runs APRIL with the product defaults (`RolloutConfig()`, colocated) or a variant of them,
+against the synchronous baseline on the same preset, replicas, deployment, prompts, length draws and
+response budget; each (row, seed) prints one JSON line, then one summary line per row with mean /
+min / max over the seeds. `--markdown` prints the summary as the tables of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -20,34 +20,31 @@ import numpy as np
 
 import rollout
 
+# None: the product default (benchmarks/rollout.py's flags left out)
 BASE = dict(engine="sim", cost="h200-qwen3-4b", replicas=8, steps=20, warmup_steps=None, seed=0, slots=256,
-            length_scale=1.0, max_response_len=32768, prompt_len=64, over_sampling=64, max_staleness=5,
-            stale_policy="restart", refill="groups", resume_count="fraction", prefill_ms_per_token=None,
-            step_overhead_ms=None, min_prefill_batch=1, reuse_aborted_kv=False, decode_steps_per_call=8,
-            inflight="over_sampling", finish_wait=None, inflight_headroom=None)
-# The design of issue 13 at the product's staleness cap (at most 5 policy versions per response:
-# max_staleness 4): refill as members finish, aborted KV parked within the budget, and the requests
-# in flight sized by the cap and the KV budget (inflight="auto"), with the config's finish_wait and
-# inflight_headroom (session 8).
-DESIGN = dict(refill="members", reuse_aborted_kv=True, over_sampling=64, max_staleness=4, inflight="auto")
-# The orchestrator before issue 13 (the paper's counting: over-sampled groups drain, no refill).
-BEFORE = dict(refill="groups", resume_count="fraction", reuse_aborted_kv=False, over_sampling=64, max_staleness=4)
+            length_scale=1.0, max_response_len=32768, prompt_len=64, prefill_ms_per_token=None, step_overhead_ms=None,
+            min_prefill_batch=1, reuse_aborted_kv=False, decode_steps_per_call=8, deployment="colocated",
+            train_gpus=None, train_mfu=None, **{k: None for k in rollout.OVERRIDES})
+DEFAULTS = {}
+# The paper's orchestrator: over-sampled groups drain, no refill, nothing sized by the cap.
+BEFORE = dict(refill="groups", inflight="over_sampling")
 
 SECTIONS = {
-    "headline": [("design (members refill, parked KV, inflight auto, cap 4)", DESIGN),
-                 ("design without finish_wait and headroom (session 7's design)", {**DESIGN, "finish_wait": 0.0, "inflight_headroom": 0.0}),
-                 ("design, in flight by over-sampling only (session 5's design at cap 4)", {**DESIGN, "inflight": "over_sampling"}),
-                 ("before issue 13 (groups k/n, re-prefill, cap 4)", BEFORE),
-                 ("before, a resumed group counts whole (slime)", {**BEFORE, "resume_count": "group"})],
-    "over_sampling": [(f"over-sampling {os} ({os / 32:g}x)", {**DESIGN, "over_sampling": os}) for os in (32, 48, 96)],
-    "max_staleness": [(f"max_staleness {s}", {**DESIGN, "max_staleness": s}) for s in (0, 1, 2, 3, 16)],
-    "resume_count": [("design, groups refill, resumed group counts k/n", {**DESIGN, "refill": "groups"}),
-                     ("design, groups refill, resumed group counts whole", {**DESIGN, "refill": "groups", "resume_count": "group"})],
-    "max_response_len": [(f"max_response_len {n}", {**DESIGN, "max_response_len": n}) for n in (8192, 16384)],
-    "parked_kv": [("parked KV off (re-prefill)", {**DESIGN, "reuse_aborted_kv": False})],
-    "replicas": [(f"replicas {r}", {**DESIGN, "replicas": r}) for r in (1, 2, 4)],
+    "headline": [("product defaults (colocated)", DEFAULTS),
+                 ("without finish_wait and headroom", {"finish_wait": 0.0, "inflight_headroom": 0.0}),
+                 ("in flight by over-sampling only", {"inflight": "over_sampling"}),
+                 ("the paper's orchestrator (groups k/n, no cap sizing)", BEFORE),
+                 ("the paper's, a resumed group counts whole (slime)", {**BEFORE, "resume_count": "group"})],
+    "over_sampling": [(f"over-sampling {os} ({os / 32:g}x)", {"over_sampling_batch_size": os}) for os in (32, 48, 96)],
+    "max_staleness": [(f"max_staleness {s}", {"max_staleness": s}) for s in (0, 1, 2, 3, 16)],
+    "resume_count": [("groups refill, resumed group counts k/n", {"refill": "groups"}),
+                     ("groups refill, resumed group counts whole", {"refill": "groups", "resume_count": "group"})],
+    "max_response_len": [(f"max_response_len {n}", {"max_response_len": n}) for n in (8192, 16384)],
+    "deployment": [("disaggregated (KV kept across the train step)", {"deployment": "disaggregated"})],
+    "replicas": [(f"replicas {r}", {"replicas": r}) for r in (1, 2, 4)],
 }
-SHARED = ("replicas", "max_response_len", "cost", "steps", "seed", "step_overhead_ms")  # the sync run depends on these
+# the sync run depends on these
+SHARED = ("replicas", "max_response_len", "cost", "steps", "seed", "step_overhead_ms", "deployment")
 
 
 def args_for(**kw):
@@ -60,17 +57,17 @@ def args_for(**kw):
 def _run(task):
     mode, kw = task
     r = rollout.run(mode, args_for(**kw))
-    keep = ("tokens_per_s", "limit_tokens_per_s", "free_limit_tokens_per_s", "on_policy_token_frac", "mean_loss_weight", "delivered_len_mean",
-            "dropped_tokens", "prefill_time_frac", "kv_bytes_peak", "kv_bytes_budget", "preempted", "staleness_max",
-            "delivered_tokens_per_s", "buffered_token_frac")
+    keep = ("tokens_per_s", "free_limit_tokens_per_s", "e2e_steps_per_s", "on_policy_token_frac", "mean_loss_weight",
+            "delivered_len_mean", "dropped_tokens", "prefill_time_frac", "kv_bytes_peak", "kv_bytes_budget", "preempted",
+            "staleness_max", "buffered_tokens_end")
     return task, {k: r[k] for k in keep}
 
 
 def row_result(sync: dict, april: dict) -> dict:
     return {"speedup": april["tokens_per_s"] / sync["tokens_per_s"],
-            "april_fraction_of_limit": april["tokens_per_s"] / april["limit_tokens_per_s"],
-            "sync_fraction_of_limit": sync["tokens_per_s"] / sync["limit_tokens_per_s"],
+            "e2e_speedup": april["e2e_steps_per_s"] / sync["e2e_steps_per_s"],
             "april_fraction_of_free_limit": april["tokens_per_s"] / april["free_limit_tokens_per_s"],
+            "sync_fraction_of_free_limit": sync["tokens_per_s"] / sync["free_limit_tokens_per_s"],
             "april_tokens_per_s": april["tokens_per_s"], "sync_tokens_per_s": sync["tokens_per_s"],
             "april_on_policy_token_frac": april["on_policy_token_frac"], "april_mean_loss_weight": april["mean_loss_weight"],
             "april_delivered_len_mean": april["delivered_len_mean"], "sync_delivered_len_mean": sync["delivered_len_mean"],
@@ -78,7 +75,7 @@ def row_result(sync: dict, april: dict) -> dict:
             "april_prefill_time_frac": april["prefill_time_frac"], "april_preempted": april["preempted"],
             "april_kv_peak_frac": april["kv_bytes_peak"] / april["kv_bytes_budget"],
             "sync_kv_peak_frac": sync["kv_bytes_peak"] / sync["kv_bytes_budget"],
-            "april_staleness_max": april["staleness_max"], "april_buffered_token_frac": april["buffered_token_frac"]}
+            "april_staleness_max": april["staleness_max"], "april_buffered_tokens_end": april["buffered_tokens_end"]}
 
 
 def main():
@@ -165,12 +162,13 @@ def markdown(summary, args) -> str:
         return f"{fmt.format(s[k]['mean'])} ({fmt.format(s[k]['min'])}-{fmt.format(s[k]['max'])})"
 
     lines = [f"{args.cost}, {args.steps} steps: mean (min-max) over the seeds listed", "",
-             "| section | row | seeds | speedup | APRIL / limit | sync / limit | APRIL / free limit | on-policy frac | mean loss weight | "
-             "delivered len APRIL / sync | dropped tokens | prefill time | preempted | KV peak / budget APRIL, sync |",
+             "| section | row | seeds | e2e speedup | rollout speedup | APRIL / free limit | sync / free limit | on-policy frac | "
+             "mean loss weight | delivered len APRIL / sync | dropped tokens | prefill time | preempted | KV peak / budget APRIL, sync |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
-        lines.append(f"| {s['section']} | {s['row']} | {' '.join(map(str, s['seeds']))} | {spread(s, 'speedup')} | {spread(s, 'april_fraction_of_limit')} | "
-                     f"{spread(s, 'sync_fraction_of_limit')} | {spread(s, 'april_fraction_of_free_limit')} | "
+        lines.append(f"| {s['section']} | {s['row']} | {' '.join(map(str, s['seeds']))} | {spread(s, 'e2e_speedup')} | "
+                     f"{spread(s, 'speedup')} | {spread(s, 'april_fraction_of_free_limit')} | "
+                     f"{spread(s, 'sync_fraction_of_free_limit')} | "
                      f"{spread(s, 'april_on_policy_token_frac')} | "
                      f"{spread(s, 'april_mean_loss_weight')} | {s['april_delivered_len_mean']['mean']:.0f} / "
                      f"{s['sync_delivered_len_mean']['mean']:.0f} | {s['april_dropped_tokens']['mean'] / 1e6:.2f}M | "

@@ -33,6 +33,11 @@ def get_config(size: str = "4b"):
     c.rollout.temperature = 0.8
     c.rollout.max_staleness = 4  # the seed: a response spans at most 5 policy versions
     c.rollout.max_num_seqs = 512
+    # APRIL's in-flight design is the product default (refill="members", inflight="auto", finish_wait,
+    # inflight_headroom): what `benchmarks/rollout.py --engine sim` measures. The server shares the
+    # trainer's GPUs (mesh over all devices), so it sleeps through each train step and loses its KV:
+    # the simulator's `--deployment colocated`.
+    c.rollout.vllm_sleep_mode = True
 
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
     c.loss.loss_agg_mode = "token-mean"

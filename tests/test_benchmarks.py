@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from april_jax.rollout.april import RolloutConfig
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -15,43 +17,69 @@ def rollout_json(*args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_rollout_benchmark_on_the_roofline_sim_prints_the_issue_keys(tmp_path):
+def test_rollout_benchmark_on_the_roofline_sim_runs_the_product_defaults_and_reports_end_to_end(tmp_path):
     png = tmp_path / "busy.png"
     out = rollout_json("--cost", "h200-qwen3-4b", "--replicas", "8", "--steps", "4", "--png", str(png))
-    for key in ("sync_tokens_per_s", "april_tokens_per_s", "speedup", "limit_tokens_per_s", "april_fraction_of_limit",
-                "sync_fraction_of_limit", "off_policy_token_frac", "dropped_tokens", "cost", "kv_bytes_budget"):
+    default = RolloutConfig()
+    for key in ("max_staleness", "refill", "inflight", "finish_wait", "inflight_headroom", "stale_policy"):
+        assert out[key] == getattr(default, key), key  # APRIL as shipped: no benchmark-only design
+    assert out["over_sampling"] == default.over_sampling_batch_size
+    for key in ("sync_tokens_per_s", "april_tokens_per_s", "rollout_speedup", "e2e_speedup", "free_limit_tokens_per_s",
+                "april_fraction_of_free_limit", "dropped_tokens", "cost", "kv_bytes_budget", "gpus"):
         assert key in out, key
     for run in ("april", "sync"):
-        for key in ("prefill_time_frac", "kv_bytes_peak", "on_policy_token_frac", "mean_loss_weight", "delivered_len_mean"):
+        for key in ("prefill_time_frac", "kv_bytes_peak", "on_policy_token_frac", "mean_loss_weight", "delivered_len_mean",
+                    "e2e_steps_per_s", "train_time_frac"):
             assert f"{run}_{key}" in out, (run, key)
         assert 0 < out[f"{run}_kv_bytes_peak"] <= out["kv_bytes_budget"]
+        assert 0 < out[f"{run}_train_time_frac"] < 1
     assert out["cost"]["name"] == "h200-qwen3-4b" and out["replicas"] == 8
+    assert out["deployment"] == "colocated" and out["gpus"] == 8 and out["april_kv_reused"] == 0
     assert out["sync_on_policy_token_frac"] == 1.0 and out["sync_mean_loss_weight"] == 1.0
-    assert out["april_tokens_per_s"] <= out["limit_tokens_per_s"] and out["sync_tokens_per_s"] <= out["sync_limit_tokens_per_s"]
+    assert out["april_tokens_per_s"] <= out["free_limit_tokens_per_s"]
+    assert abs(out["e2e_speedup"] - out["april_e2e_steps_per_s"] / out["sync_e2e_steps_per_s"]) < 0.002
+    # training is the same for both, so end to end gains less than the rollout alone
+    assert 1 < out["e2e_speedup"] < out["rollout_speedup"]
     assert png.stat().st_size > 10_000
+    apart = rollout_json("--cost", "h200-qwen3-4b", "--replicas", "8", "--steps", "4", "--deployment", "disaggregated")
+    assert apart["gpus"] == 16 and apart["train_gpus"] == 8 and apart["april_kv_reused"] > 0
+    assert apart["april_prefill_time_frac"] < out["april_prefill_time_frac"]
+
+
+def test_end_to_end_accounting_by_hand():
+    """A rollout of 100 s over two steps that train 10 s each: 120 s end to end, 1/60 step/s and, for
+    1200 delivered tokens, 10 tokens/s."""
+    sys.path.insert(0, str(BENCH))
+    import rollout
+
+    e2e = rollout.end_to_end(100.0, [10.0, 10.0], 1200)
+    assert e2e == {"e2e_time_s": 120.0, "e2e_steps_per_s": 2 / 120, "e2e_tokens_per_s": 10.0, "train_time_s": 20.0}
 
 
 def test_rollout_benchmark_cpu_model_and_a_bad_preset():
     out = rollout_json("--cost", "cpu-jax", "--steps", "3")
     assert out["cost"]["name"] == "cpu-jax" and out["replicas"] == 1 and out["kv_bytes_budget"] is None
-    proc = subprocess.run([sys.executable, "rollout.py", "--engine", "sim", "--cost", "a100"], cwd=BENCH,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--cost 'a100'" in proc.stderr and "Traceback" not in proc.stderr
+    assert out["april_train_time_frac"] == 0  # training not modelled on the CPU model
+    for bad, says in ((["--cost", "a100"], "--cost 'a100'"), (["--train-gpus", "4"], "--train-gpus 4"),
+                      (["--deployment", "shared"], "--deployment")):
+        proc = subprocess.run([sys.executable, "rollout.py", "--engine", "sim", *bad], cwd=BENCH,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_rollout_sweep_prints_a_row_per_seed_and_a_summary(tmp_path):
-    proc = subprocess.run([sys.executable, "rollout_sweep.py", "--seeds", "0", "--steps", "2", "--sections", "parked_kv",
+    proc = subprocess.run([sys.executable, "rollout_sweep.py", "--seeds", "0", "--steps", "2", "--sections", "deployment",
                            "--jobs", "1", "--markdown"], cwd=BENCH, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     per_seed = [r for r in rows if "summary" not in r]
-    assert [r["row"] for r in per_seed] == ["parked KV off (re-prefill)"] and per_seed[0]["seed"] == 0
+    assert [r["row"] for r in per_seed] == ["disaggregated (KV kept across the train step)"] and per_seed[0]["seed"] == 0
     assert per_seed[0]["april_kv_peak_frac"] <= 1 and per_seed[0]["sync_kv_peak_frac"] <= 1
-    assert "| parked_kv | parked KV off (re-prefill) | 0 |" in proc.stdout
+    assert "| deployment | disaggregated (KV kept across the train step) | 0 |" in proc.stdout
     # The per-task log on stderr rebuilds the same summary without running anything.
     log = tmp_path / "sweep.log"
     log.write_text(proc.stderr)
-    again = subprocess.run([sys.executable, "rollout_sweep.py", "--seeds", "0", "--steps", "2", "--sections", "parked_kv",
+    again = subprocess.run([sys.executable, "rollout_sweep.py", "--seeds", "0", "--steps", "2", "--sections", "deployment",
                             "--from-log", str(log)], cwd=BENCH, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and json.loads(again.stdout.splitlines()[0])["speedup"] == per_seed[0]["speedup"]
 

@@ -72,6 +72,20 @@ def test_weight_sync_and_abort():
     assert cost.abort_s(0) == 0.0 and cost.abort_s(100) == pytest.approx(1e-3 + 100 * 20e-6)
 
 
+def test_train_step_and_colocated_sleep_by_hand():
+    """A million trained tokens on 8 H200s at MFU 0.35: 6 x 4.022e9 x 1e6 / (8 x 989e12 x 0.35) = 8.715 s;
+    sleep and wake move 8.045 GB of bf16 weights over PCIe 5.0 x16 (64 GB/s) twice: 0.2514 s."""
+    cost = cm.make("h200-qwen3-4b")
+    assert cost.train_step_s(10**6, gpus=8) == pytest.approx(6 * QWEN3_4B_PARAMS * 1e6 / (8 * 989e12 * 0.35))
+    assert cost.train_step_s(10**6, gpus=8) == pytest.approx(8.715, rel=1e-3)
+    assert cost.train_step_s(10**6, gpus=16) == pytest.approx(cost.train_step_s(10**6, gpus=8) / 2)
+    assert cost.sleep_wake_s() == pytest.approx(2 * 2 * QWEN3_4B_PARAMS / 64e9)
+    assert cost.sleep_wake_s() == pytest.approx(0.2514, rel=1e-3)
+    assert cm.make("h200-qwen3-4b", train_mfu=0.5).train_step_s(10**6, 8) == pytest.approx(8.715 * 0.35 / 0.5, rel=1e-3)
+    cpu = cm.make("cpu-jax")  # not modelled there: its end-to-end figures are rollout-only
+    assert cpu.train_step_s(10**6, 1) == 0.0 and cpu.sleep_wake_s() == 0.0
+
+
 def test_cpu_model_is_the_old_linear_one():
     cost = cm.make("cpu-jax", slots=256)
     assert cost.decode_step_s(7, 10**6) == pytest.approx(0.010 + 0.00094 * 256)

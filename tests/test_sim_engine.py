@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from april_jax.rollout import cost_model as cm
-from april_jax.rollout.sim_engine import SimEngine, draw_length
+from april_jax.rollout.sim_engine import SimEngine, draw_length, length_key
 from april_jax.rollout.sim_replicas import SimReplicas
 from april_jax.rollout.types import Request
 
@@ -24,7 +24,7 @@ def requests(group: str, n: int, prompt_len=16, max_new=10**6):
 
 
 def test_memory_pressure_preempts_and_keeps_kv_within_budget():
-    engine = SimEngine(slots=64, seed=3, length_scale=1 / 16, cost=small_gpu(2000))
+    engine = SimEngine(slots=64, seed=8, length_scale=1 / 16, cost=small_gpu(2000))
     reqs = [r for g in range(4) for r in requests(f"g{g}", 4)]
     out = engine.generate(reqs)
     stats = engine.stats()
@@ -32,7 +32,7 @@ def test_memory_pressure_preempts_and_keeps_kv_within_budget():
     assert stats.kv_bytes_peak <= engine.cost.kv_budget_bytes
     for r in reqs:  # a preempted response is recomputed and still ends at its drawn length
         assert out[r.request_id].finish_reason == "stop"
-        assert len(out[r.request_id].token_ids) == draw_length(3, r.sample_key, 1 / 16)
+        assert len(out[r.request_id].token_ids) == draw_length(8, length_key(r.sample_key), 1 / 16)
 
 
 def test_a_request_that_can_never_fit_is_an_error_not_a_hang():
@@ -77,7 +77,7 @@ def test_replicas_keep_groups_whole_and_run_in_parallel():
     assert sorted(four.route.values()) == [0, 1, 2, 3]  # one group per replica
     for g in ("g0", "g1", "g2", "g3"):
         replica = four.replicas[four.route[g]]
-        assert replica.stats().tokens_generated == sum(draw_length(5, f"{g}/{i}/0", 1 / 32) for i in range(4))
+        assert replica.stats().tokens_generated == sum(draw_length(5, f"{g}/{i}", 1 / 32) for i in range(4))
     # In parallel: the set takes as long as its slowest replica, not the sum.
     slowest = max(r.now() for r in four.replicas)
     assert four.now() == pytest.approx(slowest)
@@ -116,3 +116,46 @@ def test_abort_mid_span_counts_the_steps_done_by_then():
     decode_time = t - cost.prefill_s(16)
     assert cost.decode_span_s(2, 2 * 16, done) <= decode_time < cost.decode_span_s(2, 2 * 16, done + 1)
     assert all(len(r.token_ids) == done for r in partial)
+
+
+def test_a_restarted_response_is_regenerated_to_its_drawn_length_not_a_fresh_draw():
+    """Attempts 0 and 1 of a member (a restart after the staleness cap) end at the length drawn for
+    the member, so restarts do not shorten what is delivered; other members draw their own."""
+    engine = SimEngine(slots=8, seed=7, cost=cm.make("h200-qwen3-4b"), length_scale=1 / 8)
+    first = Request("g0/3/0/1", tuple(range(1, 17)), 10**6, sample_key="g0/3/0")
+    again = Request("g0/3/1/1", tuple(range(1, 17)), 10**6, sample_key="g0/3/1")
+    out = engine.generate([first, again])
+    assert len(out[first.request_id].token_ids) == len(out[again.request_id].token_ids) == draw_length(7, "g0/3", 1 / 8)
+    assert len({draw_length(7, f"g0/{i}", 1 / 8) for i in range(8)}) > 1
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
+def test_the_train_step_costs_colocated_its_kv_and_a_sleep_and_disaggregated_nothing(deployment):
+    """An aborted response's KV is parked; across update_weights a colocated engine (asleep through
+    the train step) loses it and pays sleep + wake + sync (0.2514 + 0.0179 s for Qwen3-4B), so the
+    resume re-prefills its 16 + n tokens; a disaggregated one pays the sync only and resumes from the KV."""
+    cost = cm.make("h200-qwen3-4b")
+    engine = SimEngine(slots=8, seed=1, cost=cost, deployment=deployment)
+    engine.submit(requests("g0", 2, max_new=40_000))
+    while not engine.step():  # until the shorter member finishes
+        pass
+    (partial,) = engine.abort_all()
+    n = len(partial.token_ids)
+    assert n > 0 and engine.stats().parked_tokens == 16 + n
+    t = engine.now()
+    engine.update_weights(None, 1)
+    colocated = deployment == "colocated"
+    assert engine.now() - t == pytest.approx(cost.weight_sync_s() + (2 * cost.weight_bytes / 64e9 if colocated else 0))
+    assert engine.stats().parked_tokens == (0 if colocated else 16 + n)
+    assert engine.stats().kv_lost_in_sleep == (1 if colocated else 0)
+    before = engine.stats().prefill_tokens
+    key = partial.request_id.rsplit("/", 1)[0]
+    engine.submit([Request(f"{key}/2", tuple(range(1, 17)) + tuple(partial.token_ids), 40_000 - n, sample_key=key)])
+    engine.step()
+    assert engine.stats().prefill_tokens - before == (16 + n if colocated else 0)
+    assert engine.stats().kv_reused == (0 if colocated else 1)
+
+
+def test_an_unknown_deployment_names_the_flag():
+    with pytest.raises(ValueError, match="--deployment 'shared'"):
+        SimEngine(deployment="shared")

@@ -8,9 +8,10 @@ One `collect` call is one training step's rollout, on any engine with the common
 2. Keep `over_sampling_batch_size` groups in flight: fresh prompts fill up to it, and refill it
    when a group is filtered out (DAPO dynamic sampling) or lost to the staleness policy. A resumed
    group counts by its unfinished members (k of n counts k/n; `resume_count="group"`: whole, as
-   slime), so the engine is as full after a resume as in a fresh step. With `refill="members"` the
-   budget is the unfinished requests / n instead, refilled as members finish: the engine stays full
-   all step (docs/performance.md, "APRIL vs synchronous rollout under a roofline cost model").
+   slime), so the engine is as full after a resume as in a fresh step. With `refill="members"` (the
+   default) the budget is the unfinished requests / n instead, refilled as members finish: the
+   engine stays full all step (docs/performance.md, "APRIL vs synchronous rollout under a roofline
+   cost model"), and `inflight="auto"` (the default) sizes the requests in flight by the staleness cap.
 3. A group counts when all its `n_samples_per_prompt` members are finished (stop, or truncated at
    the budget) and scored. The moment `rollout_batch_size` groups count, every other request is
    aborted; unfinished groups go to the buffer whole, with every token's behaviour logprob and version.
@@ -20,7 +21,9 @@ worker processes) and counts once its scores are back, so a slow verifier runs b
 instead of inside it; a plain `reward_fn(sample, prompt) -> float` is called inline instead.
 
 The synchronous baseline is the same code with `over_sampling_batch_size == rollout_batch_size`
-and `partial_rollout=False`. Every drawn prompt is either delivered once, still buffered, or
+and `partial_rollout=False` (which also means `refill="groups"`, `inflight="over_sampling"`: a
+synchronous step starts its groups at once and waits for all of them).
+One design on every engine: what benchmarks/rollout.py measures as APRIL is these defaults. Every drawn prompt is either delivered once, still buffered, or
 counted in `dropped` with a reason (filtered, stale, evicted).
 """
 
@@ -79,8 +82,8 @@ class RolloutConfig:
                                 "(by the prompt's past response lengths)", choices=("fifo", "short_first"))
     # "groups": delivered + in-flight groups, a resumed group by `resume_count`; the engine drains
     # as members finish and refills only when a group is dropped (the paper's). "members":
-    # unfinished requests / n_samples_per_prompt, refilled as members finish (issue 13).
-    refill: str = key("groups", "how the in-flight budget is counted: by groups (the paper's: refilled when a "
+    # unfinished requests / n_samples_per_prompt, refilled as members finish.
+    refill: str = key("members", "how the in-flight budget is counted: by groups (the paper's: refilled when a "
                                 "group is dropped) or by unfinished members (refilled as they finish)",
                       choices=("groups", "members"))
     resume_count: str = key("fraction", "a resumed group with k of n members unfinished counts k/n of the "
@@ -90,8 +93,8 @@ class RolloutConfig:
     # D delivered tokens last D / R decode steps, so R <= steps x D / max_response_len, D measured,
     # steps = max_staleness + 1 - the fraction of the step gone when it starts; no fresh start past
     # late_start_cutoff) and, on an engine that reports its KV budget
-    # (`kv_budget_tokens`, the simulated replicas), so that their contexts fit it. Issue 13.
-    inflight: str = key("over_sampling", "requests in flight: over_sampling_batch_size x n_samples_per_prompt, or "
+    # (`kv_budget_tokens`, the simulated replicas), so that their contexts fit it.
+    inflight: str = key("auto", "requests in flight: over_sampling_batch_size x n_samples_per_prompt, or "
                                          "'auto': also as few as let a full-length response finish within "
                                          "its staleness cap (and fit the KV budget)",
                         choices=("over_sampling", "auto"))
@@ -100,10 +103,11 @@ class RolloutConfig:
     late_start_cutoff: float = key(0.7, "inflight='auto': no fresh group starts once this fraction of the step's "
                                         "groups is delivered (a later start has fewer steps before the staleness "
                                         "cap); 1: no cutoff", gt=0, le=1)
-    # Issue 13, session 8: the staleness cap throws away a whole group when its longest member misses
-    # it by a little (its finished members too); these two let the nearly-late ones through.
+    # The staleness cap throws away a whole group when its longest member misses it by a little (its
+    # finished members too); these two let the nearly-late ones through. The wait is counted in the
+    # engine's decode steps, not seconds, so that a seeded run stays deterministic on a real engine.
     finish_wait: float = key(1.0, "inflight='auto': once the step's groups are delivered, keep generating (no fresh "
-                                  "start) for up to this many mean step times while a response that would pass "
+                                  "start) for up to this many mean steps' worth of decode steps while a response that would pass "
                                   "max_staleness at the next step is in flight; a group finished then takes the "
                                   "place of the freshest delivered one, which waits in the buffer; 0: off", ge=0,
                              finite=True)
@@ -132,7 +136,10 @@ class RolloutConfig:
 
 class April:
     def __init__(self, cfg: RolloutConfig, prompts: Iterator[PromptRecord], reward_fn: RewardFn | None = None):
-        self.cfg = cfg.validate()
+        cfg = cfg.validate()
+        if not cfg.partial_rollout:  # the synchronous baseline: no refill, nothing sized by a cap it has not
+            cfg = dataclasses.replace(cfg, refill="groups", inflight="over_sampling")
+        self.cfg = cfg
         self.prompts = prompts
         self.reward_fn = reward_fn
         self.buffer = PartialBuffer(cfg.buffer_capacity)
@@ -143,7 +150,7 @@ class April:
         self.exhausted = False
         # delivered responses so far, for inflight="auto": count, tokens, sum of the contexts their tokens read
         self.seen = {"responses": 0, "tokens": 0, "ctx": 0}
-        self.step_time = [0.0, 0]  # engine seconds of the steps so far, and their number (finish_wait's unit)
+        self.step_time = [0, 0]  # engine decode steps of the steps so far, and their number (finish_wait's unit)
 
     # ---- the step ----
     def collect(self, engine: EngineProtocol, version: int) -> tuple[list[Group], dict]:
@@ -277,8 +284,8 @@ class April:
         m["finish_wait_s"] = 0.0
         if cfg.waits_to_finish and self.step_time[1]:
             wait_start = engine.now()
-            deadline = wait_start + cfg.finish_wait * self.step_time[0] / self.step_time[1]
-            while (engine.has_unfinished() and engine.now() < deadline
+            deadline = engine.stats().decode_steps + cfg.finish_wait * self.step_time[0] / self.step_time[1]
+            while (engine.has_unfinished() and engine.stats().decode_steps < deadline
                    and any(self._at_risk(s, version) for s in requests.values())):
                 for result in engine.step():
                     sample = requests.pop(result.request_id)
@@ -310,9 +317,8 @@ class April:
             m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
         for g in delivered:
             self._remember_lengths(g)
-        if cfg.waits_to_finish:  # a wall-clock reading: kept only where it steers the rollout (the
-            # default's checkpoints stay deterministic)
-            self.step_time = [self.step_time[0] + engine.now() - t0, self.step_time[1] + 1]
+        if cfg.waits_to_finish:
+            self.step_time = [self.step_time[0] + engine.stats().decode_steps - s0.decode_steps, self.step_time[1] + 1]
         # the largest fraction of the step's groups delivered when a fresh group started (-1: none started)
         return delivered, {**self._metrics(delivered, version, m, engine, t0, s0), "rollout/inflight_limit": limit,
                            "rollout/fresh_start_progress_max": m["late_start"],
@@ -496,4 +502,4 @@ class April:
         self.length_history = {k: float(v) for k, v in state["length_history"].items()}
         self.seen = {k: int(v) for k, v in state.get("seen", {"responses": 0, "tokens": 0, "ctx": 0}).items()}
         total, n = state.get("step_time", (0.0, 0))
-        self.step_time = [float(total), int(n)]
+        self.step_time = [int(total), int(n)]

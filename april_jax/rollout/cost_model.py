@@ -8,6 +8,8 @@ Roofline (`Roofline`, one engine replica on one GPU, bf16 weights and KV):
     KV budget     hbm * mem_util - weight bytes - activation reserve
     weight sync   weight bytes / sync_bw (every replica at once, in parallel)
     abort         one step_overhead per abort call + abort_per_request_s per request
+    train step    6 x params x trained tokens / (GPUs x peak x train_mfu) (forward + backward)
+    sleep / wake  colocated only: weight bytes to host and back over PCIe, once per train step
 
 Public figures (NVIDIA datasheets): H100 SXM 80 GB HBM3 at 3.35 TB/s; H200 SXM 141 GB HBM3e at
 4.8 TB/s; both 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity) and NVLink 4 at 900 GB/s
@@ -24,6 +26,15 @@ Assumptions (not public specs; stated so they can be argued with; the sweep vari
     mem_util 0.9         vLLM's default gpu_memory_utilization
     activation reserve 2 GB, abort 20 us per request
 Weight sync at NVLink speed is a lower bound on a real sync (gathers, bucketing); both runs pay it.
+    pcie_bw 64 GB/s      PCIe 5.0 x16, one way (32 GT/s x 16 lanes, 128b/130b: 63 GB/s), the H100 / H200
+                         SXM host link; vLLM's sleep level 1 moves the weights to host memory and back
+    train_mfu 0.35       training model FLOPs at 35% of the dense bf16 peak (346 TFLOP/s a GPU). Quoted:
+                         NVIDIA NeMo Framework 24.12 performance summary, LLAMA3-8B pre-training on 8 x H100,
+                         seq 8192: 711 model TFLOP/s a GPU in FP8, 0.36 of the FP8 dense peak (1979); the same
+                         fraction of the bf16 peak is taken for a ~4B model trained in bf16 with full remat
+                         (remat's recompute is not model FLOPs, so it lowers MFU: a conservative choice).
+                         The RL step's extra forward (old logprobs) is inside that 6 x params x tokens figure's
+                         margin, not charged apart; both runs train the same number of responses.
 
 `LinearCPU` is the earlier CPU-calibrated model (the embedded JAX engine on the project's 2-core
 machines, 40M model): a decode step costs t0 + c x busy, prefill p per token, no memory limit.
@@ -97,6 +108,8 @@ class Roofline:
     sync_bw: float = 450 * GB
     abort_per_request_s: float = 20e-6
     dtype_bytes: int = 2
+    pcie_bw: float = 64 * GB
+    train_mfu: float = 0.35
 
     @property
     def cfg(self) -> ModelShape:
@@ -161,8 +174,16 @@ class Roofline:
     def abort_s(self, n_requests: int) -> float:
         return self.step_overhead_s + self.abort_per_request_s * n_requests if n_requests else 0.0
 
+    def sleep_wake_s(self) -> float:
+        """A colocated engine around one train step: weights to host memory, then back."""
+        return 2 * self.weight_bytes / self.pcie_bw
+
+    def train_step_s(self, tokens: int, gpus: int) -> float:
+        """One optimiser step over `tokens` (prompt + response) tokens on `gpus` GPUs."""
+        return 6 * self.params * tokens / (gpus * self.peak_flops * self.train_mfu)
+
     def describe(self) -> dict:
-        return {"name": self.name, "model": self.model, "params": self.params, "weight_bytes": self.weight_bytes,
+        return {"name": self.name, "pcie_bw": self.pcie_bw, "train_mfu": self.train_mfu, "model": self.model, "params": self.params, "weight_bytes": self.weight_bytes,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "kv_budget_bytes": self.kv_budget_bytes,
                 "kv_budget_tokens": self.kv_budget_tokens, "hbm_bytes": self.hbm_bytes, "hbm_bw": self.hbm_bw,
                 "peak_flops": self.peak_flops, "step_overhead_s": self.step_overhead_s, "bw_eff": self.bw_eff,
@@ -172,7 +193,8 @@ class Roofline:
 
 @dataclasses.dataclass(frozen=True)
 class LinearCPU:
-    """decode step t0 + c * busy; prefill p per token; no memory limit; abort and weight sync free."""
+    """decode step t0 + c * busy; prefill p per token; no memory limit; abort, weight sync, sleep and
+    training free (not modelled: its end-to-end figures are rollout-only)."""
 
     t0: float
     c: float = 0.0
@@ -200,6 +222,12 @@ class LinearCPU:
         return 0.0
 
     def abort_s(self, n_requests: int) -> float:
+        return 0.0
+
+    def sleep_wake_s(self) -> float:
+        return 0.0
+
+    def train_step_s(self, tokens: int, gpus: int) -> float:
         return 0.0
 
     def describe(self) -> dict:

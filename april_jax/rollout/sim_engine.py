@@ -14,13 +14,24 @@ What the engine does, vLLM-like:
   preempted by recompute (its KV freed, its tokens kept; readmitted first, re-prefilling prompt +
   tokens);
 - a group's prompt is prefilled once while any of its members is resident (prefix caching);
-- with `reuse_aborted_kv`, an aborted request's KV stays in memory (parked, counted against the
-  budget) and a resume of exactly those tokens skips its prefill; otherwise it re-prefills;
+- with `reuse_aborted_kv` (default: as a prefix cache keeps freed blocks), an aborted request's KV
+  stays in memory (parked, counted against the budget, dropped first under pressure) and a resume of
+  exactly those tokens skips its prefill; otherwise it re-prefills;
 - abort and weight sync cost what the cost model says.
 
-Lengths: each response's total length is drawn once from `sample_key` (so a resumed response
-ends where it would have without the interruption), from the seed's distribution: 50% in
-[1, 1024), 30% in [1024, 8192), 20% in [8192, 32768], times `length_scale`. Deterministic under `seed`.
+Deployment, i.e. what happens to the engine during the train step (`update_weights`):
+- "colocated" (default): rollout and training share the GPUs; the engine sleeps through the train
+  step (vLLM sleep mode level 1: weights to host memory and back, KV discarded), so parked KV and the
+  group prompt prefixes are gone and a resumed request re-prefills; sleep and wake cost
+  `cost.sleep_wake_s()`;
+- "disaggregated": the engine has GPUs of its own and keeps its KV across the train step; the
+  GPUs it costs are counted by the caller (benchmarks/rollout.py).
+
+Lengths: each response's total length is drawn once from its group and index (`sample_key`
+without the attempt: a resumed response ends where it would have without the interruption, and
+a restarted one is regenerated to the same length, not a fresh, usually shorter, draw), from the
+seed's distribution: 50% in [1, 1024), 30% in [1024, 8192), 20% in [8192, 32768], times
+`length_scale`. Deterministic under `seed`.
 """
 
 from __future__ import annotations
@@ -49,6 +60,15 @@ def draw_length(seed: int, key: str, scale: float = 1.0, distribution=SEED_DISTR
 
 def group_of(key: str) -> str:
     return key.split("/", 1)[0]
+
+
+def length_key(key: str) -> str:
+    """The part of a sample key ("group/index/attempt") its length is drawn from: group and index."""
+    parts = key.split("/")
+    return "/".join(parts[:2]) if len(parts) >= 3 else key
+
+
+DEPLOYMENTS = ("colocated", "disaggregated")
 
 
 @dataclasses.dataclass
@@ -95,13 +115,18 @@ class SimEngineStats(EngineStats):
     kv_tokens_peak: int  # most KV tokens resident at once (replicas: the largest replica's)
     kv_bytes_peak: float  # the same in bytes, from the cost model
     parked_tokens: int  # KV tokens parked now
+    sleep_time_s: float = 0.0  # colocated: sleeping and waking around train steps
+    kv_lost_in_sleep: int = 0  # colocated: parked KV entries discarded by the sleep
     replicas: int = 1
 
 
 class SimEngine(PollingEngine):
     def __init__(self, *, slots: int = 256, t0: float | None = None, c: float = 0.0, prefill_s_per_token: float = 0.00073,
                  length_scale: float = 1.0, seed: int = 0, max_model_len: int = 1 << 20, policy_version: int = 0,
-                 reuse_aborted_kv: bool = False, cost=None):
+                 reuse_aborted_kv: bool = True, cost=None, deployment: str = "colocated"):
+        if deployment not in DEPLOYMENTS:
+            raise ValueError(f"--deployment {deployment!r}: unknown; choose from {', '.join(DEPLOYMENTS)}")
+        self.deployment = deployment
         self.max_num_seqs = slots
         self.cost = cost if cost is not None else LinearCPU(0.010 + 0.00094 * slots if t0 is None else t0, c, prefill_s_per_token)
         self.budget = self.kv_budget_tokens = self.cost.kv_budget_tokens  # KV tokens (inf for the CPU model)
@@ -126,7 +151,7 @@ class SimEngine(PollingEngine):
                 self._ready.append(bad)
                 continue
             key = r.sample_key or r.request_id
-            total = draw_length(self.seed, key, self.length_scale)
+            total = draw_length(self.seed, length_key(key), self.length_scale)
             seq = _Seq(r, key, max(1, total - self._progress.get(key, 0)), version_marks=[(0, self.policy_version)])
             self.queue.append(seq)
 
@@ -163,9 +188,19 @@ class SimEngine(PollingEngine):
         return self.abort([s.request.request_id for s in [*self.queue, *self.running]])
 
     def update_weights(self, params, version: int) -> None:
-        """`params` is not used (the simulation has no model): a sync costs what the cost model
-        says, and later tokens carry `version`."""
+        """The train step and the sync after it. `params` is not used (the simulation has no model):
+        a sync costs what the cost model says, and later tokens carry `version`. Colocated, the
+        engine slept through the train step: its KV is gone (running requests, none under APRIL,
+        which aborts first, are preempted by recompute)."""
         self._plan = None
+        if self.deployment == "colocated":
+            self._stats["kv_lost_in_sleep"] += len(self.parked)
+            self.parked.clear()
+            while self.running:
+                self._preempt_newest()
+            sleep = self.cost.sleep_wake_s()
+            self._clock += sleep
+            self._stats["sleep_time_s"] += sleep
         self.policy_version = int(version)
         for s in [*self.running, *self.queue]:
             s.version_marks.append((s.generated, self.policy_version))
@@ -186,7 +221,8 @@ class SimEngine(PollingEngine):
             prefill_time_s=s["prefill_time_s"], abort_time_s=s["abort_time_s"], sync_time_s=s["sync_time_s"],
             preempted=s["preempted"], kv_reused=s["kv_reused"], parked_dropped=s["parked_dropped"],
             kv_tokens_peak=s["kv_tokens_peak"], kv_bytes_peak=s["kv_tokens_peak"] * self.cost.kv_bytes_per_token,
-            parked_tokens=sum(self.parked.values()))
+            parked_tokens=sum(self.parked.values()), sleep_time_s=s["sleep_time_s"],
+            kv_lost_in_sleep=s["kv_lost_in_sleep"])
 
     def limit_tokens_per_s(self) -> float:
         """Throughput with every slot busy decoding (no prefill), for the CPU model; the roofline

@@ -22,7 +22,7 @@ from april_jax.rollout.types import Request, Result
 class SimReplicas(PollingEngine):
     # A replica's decode step reads its running contexts, and each of its responses advances one token
     # per step: routed by request count alone, one replica can gather the long contexts, step slower
-    # than the others and push its long responses past their staleness cap (issue 13, session 7).
+    # than the others and push its long responses past their staleness cap.
     ROUTE_CONTEXT_TOKENS = 16384
 
     def __init__(self, replicas: int, *, slots: int = 256, cost=None, **engine_kw):
