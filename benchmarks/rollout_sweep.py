@@ -5,7 +5,7 @@
 Every row runs APRIL with the product defaults (`RolloutConfig()`, colocated) or a variant of them,
 against the synchronous baseline on the same preset, replicas, deployment, prompts, length draws and
 response budget; each (row, seed) prints one JSON line, then one summary line per row with mean /
-min / max over the seeds. `--markdown` prints the summary as the tables of benchmarks/RESULTS.md.
+min / max over the seeds. `--markdown` prints the summary as the tables of docs/performance.md.
 """
 
 from __future__ import annotations
