@@ -51,6 +51,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable
 
+from april_jax import weights
 from april_jax.rollout.engine import EngineStats, PollingEngine
 from april_jax.rollout.types import Request, Result
 from april_jax.rollout.vllm.server import VllmServer, VllmSetupError, healthy
@@ -104,13 +105,21 @@ class VllmEngine(PollingEngine):
             self.urls, self.api_key = list(urls), api_key
             for url in self.urls:
                 self._check_attached(url)
+            weights.reclaim_transport_leftovers(self.transport_dir)  # a dead trainer's buffers (this host's only)
         else:
             if model_path is None:
                 raise ValueError("VllmEngine: give model_path (to launch a server) or urls (to attach)")
             base = shared_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-            self.transport_dir = Path(tempfile.mkdtemp(prefix="april_jax_weights_", dir=base))  # mode 0700
-            server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                enable_sleep_mode=sleep_mode, transport_dir=self.transport_dir, **server_kw)
+            for gone in weights.reclaim_transport_leftovers(base):
+                log.warning("removed %s: the weight transport of a run that is gone", gone)
+            self.transport_dir = weights.make_transport_dir(base)  # mode 0700
+            try:
+                server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    enable_sleep_mode=sleep_mode, transport_dir=self.transport_dir,
+                                    owns_transport_dir=True, **server_kw)
+            except BaseException:
+                shutil.rmtree(self.transport_dir, ignore_errors=True)
+                raise
             self.servers.append(server)
             self.urls, self.api_key = [server.url], server.api_key
         self._buffer = None  # SharedSafetensors or CudaIpcBucket, made at the first sync
@@ -266,11 +275,16 @@ class VllmEngine(PollingEngine):
 
     def _recover(self) -> None:
         """Restart dead servers we own (re-syncing the latest weights), take dead attached ones out
-        of rotation, resume lost requests."""
+        of rotation, resume lost requests. A server whose watchdog died is restarted too, even if
+        it still answers: nothing would stop it with the trainer."""
         for i, server in enumerate(self.servers):
             if server.alive() and healthy(server.url):
                 continue
-            log.warning("vLLM server %s is down; restarting (log tail: %s)", server.url, server.log_tail(5))
+            if server.alive():
+                log.warning("vLLM server %s is down; restarting (log tail: %s)", server.url, server.log_tail(5))
+            else:
+                log.warning("the watchdog of vLLM server %s is gone (exit %s); stopping what is left of the server "
+                            "and restarting it", server.url, server.proc.returncode)
             server.kill()
             fresh = VllmServer(**server.args)
             self.servers[i] = fresh
@@ -300,8 +314,11 @@ class VllmEngine(PollingEngine):
             self._stats["resumed_after_failure"] += 1
             self._launch(st)
 
+    def _watchdogs_lost(self) -> bool:
+        return any(not server.alive() for server in self.servers)
+
     def step(self, timeout: float = 0.05) -> list[Result]:
-        if self._lost:
+        if self._lost or self._watchdogs_lost():
             self._recover()
         if self._down:
             self._probe_down()
@@ -372,8 +389,8 @@ class VllmEngine(PollingEngine):
         filesystem but not memory), "cuda_ipc" (GPU only, untested: see `weights.CudaIpcBucket`)."""
         if params is None:
             raise TypeError("VllmEngine.update_weights: params is None (pass the policy's nnx.State or model)")
-        from april_jax import weights
-
+        if self._watchdogs_lost():
+            self._recover()
         named = weights.named_torch(params)
         if self.weight_transport == "cuda_ipc":
             if self._buffer is None:
@@ -381,14 +398,14 @@ class VllmEngine(PollingEngine):
             self._buffer.write(named)
             method, arg = "april_update_from_cuda_ipc", self._buffer.payload()
         elif self.weight_transport == "file":
-            path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}_v{version}.safetensors"
+            path = self.transport_dir / weights.transport_name(f"{id(self)}_v{version}.safetensors")
             tmp = path.with_suffix(".tmp")
             weights.write_safetensors(named, tmp)
             os.replace(tmp, path)
             method, arg = "april_update_from_file", str(path)
         else:
             if self._buffer is None:
-                path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
+                path = self.transport_dir / weights.transport_name(f"{id(self)}.safetensors")
                 self._buffer = weights.SharedSafetensors(named, path)
             self._buffer.write(named)
             method, arg = "april_update_from_file", self._buffer.path
