@@ -12,7 +12,9 @@ mode) and returns the partial tokens the stream delivered. Logprobs are vLLM's d
 
 Failure: a stream cut by a dead server is parked; the next `step()` restarts the servers we own,
 re-syncs the latest weights from the shared buffer, and resumes every parked request from its
-partial tokens (prompt + generated ids, the remaining budget). A dead attached server leaves the
+partial tokens (prompt + generated ids, the remaining budget). A server whose watchdog died is
+treated the same, noticed at the next `step()` or weight sync even while it still answers: its
+whole process tree is stopped (by its tree token, `proctree`) and a new one started. A dead attached server leaves the
 rotation: its requests resume on the others, weight syncs skip it, and it is probed every
 `PROBE_EVERY_S`; once it answers again it gets the latest weights and rejoins. With every attached
 server down, `step()` waits for one (up to 240 s).
@@ -21,7 +23,8 @@ Weights: `update_weights` writes HF-named tensors into a shared-memory safetenso
 (`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) in the run's own transport
 folder and asks the worker extension (`worker_ext.WeightUpdateExt`) to reload from it, then resets
 the prefix cache. A launched server gets a fresh 0700 folder under `shared_dir` (default /dev/shm)
-and reads files only inside it. Attached servers must have been started with
+and reads files only inside it; the folder is named after the trainer (boot, pid, start time), its
+watchdog removes it if the trainer is killed, and any later start removes those of dead trainers. Attached servers must have been started with
 $APRIL_JAX_TRANSPORT_DIR; give the engine the same folder (`shared_dir`, or the same variable in
 the trainer's environment), on a shared filesystem when they run on other hosts.
 GPU memory when colocated with the trainer: `sleep_mode` starts the server with

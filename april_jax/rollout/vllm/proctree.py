@@ -22,10 +22,12 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import stat
 import time
 from pathlib import Path
 
 TREE_ENV = "APRIL_JAX_SERVER_TREE"
+SHM = Path("/dev/shm")
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
@@ -39,8 +41,9 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
 
 
 def start_time(pid: int) -> int | None:
-    stat = _stat(pid)
-    return None if stat is None or stat[0] == "Z" else stat[3]
+    """When a live process started (None for a zombie or a gone one)."""
+    info = _stat(pid)
+    return None if info is None or info[0] == "Z" else info[3]
 
 
 def owner_tag(pid: int | None = None) -> str:
@@ -72,7 +75,7 @@ def _pids() -> list[int]:
     return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
 
 
-def _tree_value(pid: int) -> str | None:
+def tree_value(pid: int) -> str | None:
     """The process's TREE_ENV as it was started with; None when absent or unreadable (another
     user's process: never ours)."""
     try:
@@ -91,42 +94,85 @@ def group_pids(pgid: int) -> list[int]:
     return sorted(pid for pid in _pids() if (s := _stat(pid)) is not None and s[2] == pgid and s[0] != "Z")
 
 
-def tree_pids(token: str, *, exclude: int | None = None) -> list[int]:
+def tree_pids(token: str, *, exclude=()) -> list[int]:
     """Live processes that carry `token`, and their descendants (a child started with a cleared
-    environment is still found through its parent)."""
+    environment is still found through its parent). `exclude`: pids left out of the answer (the
+    caller itself), though what descends from them is in it."""
     stats = {pid: s for pid in _pids() if (s := _stat(pid)) is not None and s[0] != "Z"}
-    found = {pid for pid in stats if _tree_value(pid) == token}
+    found = {pid for pid in stats if tree_value(pid) == token}
     grew = True
     while grew:
         kids = {pid for pid, s in stats.items() if s[1] in found and pid not in found}
         found |= kids
         grew = bool(kids)
-    found.discard(exclude if exclude is not None else -1)
-    return sorted(found)
+    return sorted(found - set(exclude))
 
 
-def kill_tree(token: str, *, grace: float = 10.0, exclude: int | None = None) -> list[int]:
+def shm_inodes(pids) -> set[int]:
+    """Inodes of the /dev/shm files the processes map. vLLM's processes share memory through
+    multiprocessing (`psm_*` segments of hundreds of MB, `sem.mp-*` semaphores) and unlink it only
+    on a clean shutdown; their multiprocessing resource tracker, which would unlink it after a
+    crash, is in the tree and dies with it. Inodes, not names: a semaphore is mapped under the
+    temporary name it was created with."""
+    inodes = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{SHM}/"):
+                inodes.add(int(fields[4]))
+    return inodes
+
+
+def release_shm(inodes: set[int]) -> list[str]:
+    """Unlink this user's /dev/shm files among `inodes` that no live process maps any more (the
+    tree is dead; anything still mapped belongs to someone else too). Returns their names."""
+    if not inodes:
+        return []
+    in_use = shm_inodes(pid for pid in _pids() if (s := _stat(pid)) is not None and s[0] != "Z")
+    removed = []
+    try:
+        entries = list(SHM.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if (info.st_ino in inodes and info.st_ino not in in_use and info.st_uid == os.getuid()
+                and stat.S_ISREG(info.st_mode)):
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    return removed
+
+
+def kill_tree(token: str, *, grace: float = 10.0, exclude=(), shm: set[int] | None = None) -> list[int]:
     """SIGTERM every process of the tree, SIGKILL what is left after `grace` seconds (rescanning,
-    so a child started meanwhile is caught too), and wait until none is left (10 s more at most).
-    Returns the pids that were signalled."""
+    so a child started meanwhile is caught too), and wait until none is left (10 s more at most);
+    then unlink the shared memory the tree mapped (seen now, plus the inodes `shm` saw earlier)
+    that nobody maps any more. Returns the pids that were signalled."""
     signalled: set[int] = set()
-    termed: set[int] = set()
+    inodes = set(shm or ())
     deadline = time.time() + grace
     while pids := tree_pids(token, exclude=exclude):
+        inodes |= shm_inodes(pids)
         now = time.time()
         if now > deadline + 10.0:
             break
         for pid in pids:
-            if now < deadline and pid in termed:
+            if now < deadline and pid in signalled:
                 continue
-            sig = signal.SIGTERM if now < deadline else signal.SIGKILL
-            termed.add(pid)
             try:
-                os.kill(pid, sig)
+                os.kill(pid, signal.SIGTERM if now < deadline else signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        signalled |= set(pids)
+            signalled.add(pid)
         time.sleep(0.1)
+    release_shm(inodes)
     return sorted(signalled)
 
 
@@ -137,7 +183,7 @@ def live_tokens() -> dict[str, list[int]]:
         stat = _stat(pid)
         if stat is None or stat[0] == "Z":
             continue
-        value = _tree_value(pid)
+        value = tree_value(pid)
         if value:
             out.setdefault(value, []).append(pid)
     return out

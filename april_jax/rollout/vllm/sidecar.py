@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no server command after --")
     if os.getpid() != os.getpgrp():
         os.setsid()  # lead our own group even when started by hand
-    token = os.environ.setdefault(proctree.TREE_ENV, proctree.new_token(args.parent))
+    token = os.environ.get(proctree.TREE_ENV)
+    if not token or proctree.tree_value(args.parent) == token:  # a trainer in the tree would be killed with it
+        token = os.environ[proctree.TREE_ENV] = proctree.new_token(args.parent)
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, _f: stop.append(f"signal {signal.Signals(s).name}"))
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(POLL_S)
     _say(f"{stop[0]}: stopping the server and every process it started")
+    shm = proctree.shm_inodes(proctree.tree_pids(token))  # before vLLM's processes go: what they share
     if server_code is None:
         os.kill(server.pid, signal.SIGTERM)  # not Popen.send_signal: its poll() could reap the exit code we wait for
         deadline = time.time() + args.grace
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             server_code = _reap(server.pid)
             time.sleep(0.05)
     # what is left (an engine core whose API server died, a resource tracker): SIGKILL, found by token
-    left = proctree.kill_tree(token, grace=0.0, exclude=os.getpid())
+    left = proctree.kill_tree(token, grace=0.0, exclude=[os.getpid()], shm=shm)
     for pid in proctree.group_pids(os.getpgrp()):
         if pid != os.getpid():
             try:
@@ -152,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     _drop_pidfile(args.pidfile)
     if os.getppid() != args.parent:
         _drop_owned_dir(args.owned_dir)
-    return 0
+    if not stop[0].startswith("server exited"):
+        return 0  # stopped on purpose
+    # the server's own exit, as a shell reports it: the launcher says it when the server never came up
+    return 128 - server_code if server_code is not None and server_code < 0 else (server_code or 0)
 
 
 if __name__ == "__main__":
