@@ -14,19 +14,20 @@ Failure: a stream cut by a dead server is parked; the next `step()` restarts the
 re-syncs the latest weights from the shared buffer, and resumes every parked request from its
 partial tokens (prompt + generated ids, the remaining budget). A server whose watchdog died is
 treated the same, noticed at the next `step()` or weight sync even while it still answers: its
-whole process tree is stopped (by its tree token, `proctree`) and a new one started. A dead attached server leaves the
-rotation: its requests resume on the others, weight syncs skip it, and it is probed every
-`PROBE_EVERY_S`; once it answers again it gets the latest weights and rejoins. With every attached
-server down, `step()` waits for one (up to 240 s).
+whole process tree is stopped (by its tree token, `proctree`) and a new one started. A dead
+attached server leaves the rotation: its requests resume on the others, weight syncs skip it, and
+it is probed every `PROBE_EVERY_S`; once it answers again it gets the latest weights and rejoins.
+With every attached server down, `step()` waits for one (up to 240 s).
 
 Weights: `update_weights` writes HF-named tensors into a shared-memory safetensors buffer
 (`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) in the run's own transport
 folder and asks the worker extension (`worker_ext.WeightUpdateExt`) to reload from it, then resets
 the prefix cache. A launched server gets a fresh 0700 folder under `shared_dir` (default /dev/shm)
 and reads files only inside it; the folder is named after the trainer (boot, pid, start time), its
-watchdog removes it if the trainer is killed, and any later start removes those of dead trainers. Attached servers must have been started with
-$APRIL_JAX_TRANSPORT_DIR; give the engine the same folder (`shared_dir`, or the same variable in
-the trainer's environment), on a shared filesystem when they run on other hosts.
+watchdog removes it if the trainer is killed, and any later start removes those of dead trainers.
+Attached servers must have been started with $APRIL_JAX_TRANSPORT_DIR; give the engine the same
+folder (`shared_dir`, or the same variable in the trainer's environment), on a shared filesystem
+when they run on other hosts; buffers a dead trainer of this host left there go at the next start.
 GPU memory when colocated with the trainer: `sleep_mode` starts the server with
 `--enable-sleep-mode` and sleeps it (level 1: weights to host, KV cache dropped) around every train
 step; off, `sleep`/`wake_up` are no-ops said once in the log (CPU servers have no sleep mode).
@@ -108,7 +109,8 @@ class VllmEngine(PollingEngine):
             self.urls, self.api_key = list(urls), api_key
             for url in self.urls:
                 self._check_attached(url)
-            weights.reclaim_transport_leftovers(self.transport_dir)  # a dead trainer's buffers (this host's only)
+            for gone in weights.reclaim_transport_leftovers(self.transport_dir):  # this host's only
+                log.warning("removed %s: the weight buffer of a run that is gone", gone)
         else:
             if model_path is None:
                 raise ValueError("VllmEngine: give model_path (to launch a server) or urls (to attach)")
@@ -136,6 +138,7 @@ class VllmEngine(PollingEngine):
         self._stats = collections.Counter()
         self._t0 = time.perf_counter()
         self._said_no_sleep = False
+        self._closing = False
         # Each server's (iterations, generated tokens) counters when last read; counts since start.
         self._counters: dict[str, tuple[float, float]] = {url: self._read_counters(url) or (0.0, 0.0)
                                                           for url in self.urls}
@@ -321,7 +324,7 @@ class VllmEngine(PollingEngine):
         return any(not server.alive() for server in self.servers)
 
     def step(self, timeout: float = 0.05) -> list[Result]:
-        if self._lost or self._watchdogs_lost():
+        if not self._closing and (self._lost or self._watchdogs_lost()):
             self._recover()
         if self._down:
             self._probe_down()
@@ -500,6 +503,7 @@ class VllmEngine(PollingEngine):
                     self._post(url, "/wake_up", {})
 
     def shutdown(self) -> None:
+        self._closing = True  # a server lost now is not restarted only to be stopped
         self.abort_all()
         for server in self.servers:
             server.kill()
