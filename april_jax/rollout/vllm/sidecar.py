@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    _reap(server.pid)
+    server_code = _reap(server.pid) if server_code is None else server_code
+    server.returncode = server_code  # reaped here, not by Popen
     if left:
         _say(f"killed {len(left)} process(es) left after the server: {left}")
     _drop_pidfile(args.pidfile)
