@@ -20,7 +20,7 @@ import pytest
 
 from april_jax import weights
 from april_jax.rollout.vllm import proctree
-from april_jax.rollout.vllm.server import SIDECAR, kill_stale
+from april_jax.rollout.vllm.server import SIDECAR, kill_stale, shm_record_path
 
 ROOT = Path(__file__).resolve().parents[1]
 # A stand-in server whose children escape the usual ways: one in a session (and group) of its
@@ -155,6 +155,33 @@ def test_the_shared_memory_of_a_sigkilled_server_is_unlinked_with_its_tree(tmp_p
     os.kill(api, signal.SIGKILL)
     assert sidecar.wait(30) == 128 + signal.SIGKILL
     assert gone(tree) and not segment.exists()
+
+
+def test_the_shared_memory_of_a_tree_sigkilled_all_at_once_is_unlinked_from_its_record(tmp_path):
+    """`kill -9 -PGID` or a cgroup's OOM killer: no process of the tree is left to clean up, the
+    watchdog included; the next start of the server (or the trainer's own stop) unlinks what the
+    watchdog had recorded."""
+    server_py = tmp_path / "server.py"
+    server_py.write_text(SHM_SERVER)
+    token = proctree.new_token()
+    out, pidfile = tmp_path / "segment", tmp_path / "vllm_server0.pid"
+    record = shm_record_path(pidfile)
+    sidecar = subprocess.Popen([sys.executable, "-m", SIDECAR, "--parent", str(os.getpid()), "--pidfile",
+                                str(pidfile), "--shm-record", str(record), "--",
+                                "sh", "-c", f"exec {sys.executable} {server_py} > {out}"],
+                               start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT),
+                                                                **{proctree.TREE_ENV: token}))
+    pidfile.write_text(f"{sidecar.pid}\nhttp://127.0.0.1:1\n{token}\n")
+    wait_until(lambda: out.exists() and out.read_text().strip(), 60)
+    segment = proctree.SHM / out.read_text().strip()
+    wait_until(lambda: record.exists() and segment.name in record.read_text(), 30)
+    tree = snapshot(proctree.tree_pids(token))
+    os.killpg(sidecar.pid, signal.SIGKILL)
+    sidecar.wait()
+    wait_until(lambda: gone(tree), 10)
+    assert segment.exists()  # nothing of the tree was left to unlink it
+    assert not kill_stale(pidfile)  # no process left to stop: only the shared memory to unlink
+    assert not segment.exists() and not record.exists()
 
 
 def test_a_start_stops_the_trees_of_dead_trainers_wherever_they_ran():

@@ -127,9 +127,41 @@ def shm_inodes(pids) -> set[int]:
     return inodes
 
 
-def release_shm(inodes: set[int]) -> list[str]:
-    """Unlink this user's /dev/shm files among `inodes` that no live process maps any more (the
-    tree is dead; anything still mapped belongs to someone else too). Returns their names."""
+def shm_record(inodes: set[int]) -> str:
+    """`inode name` lines for the /dev/shm files among `inodes`: what a tree shares, kept on disk
+    so that it can be unlinked after the whole tree was SIGKILLed at once (`release_recorded`)."""
+    lines = []
+    try:
+        entries = list(SHM.iterdir())
+    except OSError:
+        return ""
+    for entry in entries:
+        try:
+            inode = entry.lstat().st_ino
+        except OSError:
+            continue
+        if inode in inodes:
+            lines.append(f"{inode} {entry.name}\n")
+    return "".join(sorted(lines))
+
+
+def release_recorded(record: Path) -> list[str]:
+    """`release_shm` for the files a `shm_record` file lists (matched by inode and name), then
+    remove the record."""
+    try:
+        pairs = [line.split(maxsplit=1) for line in Path(record).read_text().splitlines()]
+    except OSError:
+        return []
+    wanted = {int(inode): name for inode, name in pairs if inode.isdigit()}
+    removed = release_shm(set(wanted), names=set(wanted.values()))
+    Path(record).unlink(missing_ok=True)
+    return removed
+
+
+def release_shm(inodes: set[int], names: set[str] | None = None) -> list[str]:
+    """Unlink this user's /dev/shm files among `inodes` (and `names`, when given) that no live
+    process maps any more (the tree is dead; anything still mapped belongs to someone else too).
+    Returns their names."""
     if not inodes:
         return []
     in_use = shm_inodes(pid for pid in _pids() if (s := _stat(pid)) is not None and s[0] != "Z")
@@ -144,7 +176,7 @@ def release_shm(inodes: set[int]) -> list[str]:
         except OSError:
             continue
         if (info.st_ino in inodes and info.st_ino not in in_use and info.st_uid == os.getuid()
-                and stat.S_ISREG(info.st_mode)):
+                and stat.S_ISREG(info.st_mode) and (names is None or entry.name in names)):
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     return removed

@@ -151,12 +151,17 @@ def kill_stale(pidfile: Path) -> bool:
     """Stop the server tree a previous trainer left in `pidfile`, found by its tree token (even
     when the watchdog is dead and its children were reparented to init; a recycled pid never
     carries the token). An older pidfile without a token: its group, only if that pid still is
-    our watchdog for this very pidfile. True when something was stopped."""
+    our watchdog for this very pidfile. Then unlink the shared memory the watchdog recorded that
+    nobody maps any more (a tree SIGKILLed all at once unlinks none). True when something was
+    stopped."""
     entry = read_pidfile(pidfile)
     pidfile.unlink(missing_ok=True)
-    if entry is None:
-        return False
-    pid, _url, token = entry
+    stopped = entry is not None and _stop_stale(pidfile, *entry)
+    proctree.release_recorded(shm_record_path(pidfile))
+    return stopped
+
+
+def _stop_stale(pidfile: Path, pid: int, url: str, token: str | None) -> bool:
     if token is not None:
         if not proctree.tree_pids(token):
             return False
@@ -164,12 +169,17 @@ def kill_stale(pidfile: Path) -> bool:
         proctree.kill_tree(token)
         return True
     cmd = _cmdline(pid)
-    ours = SIDECAR in cmd and str(pidfile) in cmd
-    if ours:
+    if SIDECAR in cmd and str(pidfile) in cmd:
         log.warning("a vLLM server left by an earlier run (process group %d, %s) is still running: stopping it",
                     pid, pidfile)
         stop_group(pid)
-    return ours
+        return True
+    return False
+
+
+def shm_record_path(pidfile: Path) -> Path:
+    """Where the watchdog lists the /dev/shm files its server's processes map."""
+    return pidfile.with_suffix(".shm")
 
 
 def reap_orphaned_servers() -> None:
@@ -214,7 +224,8 @@ class VllmServer:
                   "--middleware", "april_jax.rollout.vllm.auth.RequireKey"]
         if enable_sleep_mode:
             server.append("--enable-sleep-mode")
-        cmd = [python, "-m", SIDECAR, "--parent", str(os.getpid()), "--pidfile", str(self.pidfile)]
+        cmd = [python, "-m", SIDECAR, "--parent", str(os.getpid()), "--pidfile", str(self.pidfile),
+               "--shm-record", str(shm_record_path(self.pidfile))]
         if owns_transport_dir and transport_dir is not None:
             cmd += ["--owned-dir", str(transport_dir)]
         cmd += ["--", *server]
@@ -270,6 +281,7 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 pass
         proctree.kill_tree(self.tree, grace=5.0)
+        proctree.release_recorded(shm_record_path(self.pidfile))  # a tree SIGKILLed all at once unlinked nothing
         self.proc.wait()
         self._log.close()
         try:

@@ -1,6 +1,7 @@
 """Run a server command so that it cannot outlive its trainer.
 
-    python -m april_jax.rollout.vllm.sidecar --parent TRAINER_PID [--pidfile FILE] [--owned-dir DIR] -- CMD ...
+    python -m april_jax.rollout.vllm.sidecar --parent TRAINER_PID [--pidfile FILE] [--shm-record FILE]
+                                             [--owned-dir DIR] -- CMD ...
 
 The trainer starts this in a new session, with `proctree.TREE_ENV` set to a token naming the
 trainer, so the server and everything it spawns (vLLM on CPU: the API server, `VLLM::EngineCore`,
@@ -18,6 +19,9 @@ under init, forever. Here:
   (`proctree.kill_tree`: those that left the process group too), and to the rest of our group;
 - when the trainer is gone, `--owned-dir` (its weight transport folder in /dev/shm: a full copy
   of the weights) is removed as well: nobody else would;
+- every RECORD_EVERY_S, the /dev/shm files the tree maps are listed in `--shm-record`: after a
+  SIGKILL of the whole tree at once (an operator's `kill -9 -PGID`, the OOM killer of a cgroup)
+  nothing of it is left to unlink them, and the launcher does it from the list;
 - the server runs with umask 077, so the IPC sockets and shared memory vLLM makes for its own
   processes are the owner's only;
 - the pidfile (written by the trainer) is removed when it still names us.
@@ -45,6 +49,7 @@ from april_jax.rollout.vllm import proctree
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 POLL_S = 0.2
+RECORD_EVERY_S = 2.0
 OWNED_DIR_PREFIX = "april_jax_weights_"  # the only folders --owned-dir may remove
 
 
@@ -94,11 +99,26 @@ def _drop_owned_dir(path: str | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _record_shm(path: str, token: str, known: set[int]) -> set[int]:
+    """Keep `path` listing what the tree maps in /dev/shm (one read of each process's maps every
+    RECORD_EVERY_S): if the whole tree is SIGKILLed at once, nothing of it is left to unlink its
+    shared memory, and the launcher does it from this list. Returns every inode seen so far."""
+    seen = known | proctree.shm_inodes(proctree.tree_pids(token))
+    if seen != known:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(proctree.shm_record(seen))
+        os.replace(tmp, path)
+    return seen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parent", type=int, required=True, help="pid of the trainer this server serves")
     parser.add_argument("--pidfile", default=None)
     parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--shm-record", default=None,
+                        help="file kept listing the /dev/shm files the server's processes map")
     parser.add_argument("--owned-dir", default=None,
                         help=f"a folder of the trainer's ({OWNED_DIR_PREFIX}*) removed when the trainer dies")
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -125,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # what the server creates (its ZMQ sockets in /tmp, /dev/shm segments) is the owner's
     server = subprocess.Popen(cmd)  # same process group as us
     server_code = None
+    shm: set[int] = set()
+    next_record = time.time()
     while not stop:
         if os.getppid() != args.parent:
             stop.append(f"trainer {args.parent} is gone")
@@ -132,9 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             server_code = code
             stop.append(f"server exited with {code}")
         else:
+            if args.shm_record and time.time() >= next_record:
+                shm = _record_shm(args.shm_record, token, shm)
+                next_record = time.time() + RECORD_EVERY_S
             time.sleep(POLL_S)
     _say(f"{stop[0]}: stopping the server and every process it started")
-    shm = proctree.shm_inodes(proctree.tree_pids(token))  # before vLLM's processes go: what they share
+    shm |= proctree.shm_inodes(proctree.tree_pids(token))  # before vLLM's processes go: what they share
     if server_code is None:
         os.kill(server.pid, signal.SIGTERM)  # not Popen.send_signal: its poll() could reap the exit code we wait for
         deadline = time.time() + args.grace
@@ -154,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if left:
         _say(f"killed {len(left)} process(es) left after the server: {left}")
     _drop_pidfile(args.pidfile)
+    if args.shm_record:
+        proctree.release_recorded(Path(args.shm_record))
     if os.getppid() != args.parent:
         _drop_owned_dir(args.owned_dir)
     if not stop[0].startswith("server exited"):
