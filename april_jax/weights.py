@@ -9,15 +9,79 @@
 - `SharedSafetensors(example, path)`: the shared-memory transport on one host. A safetensors
   file in /dev/shm is laid out once; each sync copies every tensor into its memory-mapped slot
   (one memcpy per byte, no page allocation, no fsync), and the engine maps the same file.
+- `transport_name` / `make_transport_dir` / `reclaim_transport_leftovers`: what the transport
+  leaves in /dev/shm is named after its owner (boot, pid, start time), so a later start removes
+  what a SIGKILLed trainer left: otherwise a full copy of the weights stays in RAM until reboot.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 from flax import nnx
 
 from april_jax.models.hf import hf_name
 from april_jax.models.safetensors_io import layout, save_file
+
+
+TRANSPORT_PREFIX = "april_jax_weights_"
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:12]
+    except OSError:
+        return "noboot"
+
+
+def transport_name(suffix: str = "") -> str:
+    """`april_jax_weights_<boot>_<pid>-<start>_<suffix>`: a name this process owns. The boot id
+    tells a host's own entries from those of other hosts sharing the folder (a pid means nothing
+    there)."""
+    from april_jax.rollout.vllm.proctree import owner_tag
+
+    return f"{TRANSPORT_PREFIX}{_boot_id()}_{owner_tag()}_{suffix}"
+
+
+def make_transport_dir(base) -> Path:
+    """A fresh folder (mode 0700) under `base` named after this process."""
+    return Path(tempfile.mkdtemp(prefix=transport_name(), dir=base))
+
+
+def reclaim_transport_leftovers(base) -> list[Path]:
+    """Remove the transport folders and files under `base` whose owner (on this host, this boot,
+    this user) is dead. Entries of live owners, of other hosts, of other users, or named otherwise
+    are left alone. Returns what was removed."""
+    from april_jax.rollout.vllm.proctree import tag_alive
+
+    removed = []
+    try:
+        entries = list(Path(base).iterdir())
+    except OSError:
+        return removed
+    boot = _boot_id()
+    for entry in entries:
+        if not entry.name.startswith(TRANSPORT_PREFIX):
+            continue
+        parts = entry.name[len(TRANSPORT_PREFIX):].split("_")
+        if len(parts) < 3 or parts[0] != boot or tag_alive(parts[1]):
+            continue
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if info.st_uid != os.getuid() or entry.is_symlink():
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
 
 
 def _flat(params) -> dict:

@@ -110,7 +110,7 @@ def smollm2_run(tmp_path_factory):
     pidfile = workdir / "vllm_server0.pid"
     try:
         deadline = time.time() + 600
-        while not (pidfile.exists() and len(pidfile.read_text().split()) == 2
+        while not (pidfile.exists() and len(pidfile.read_text().split()) >= 2
                    and healthy(pidfile.read_text().split()[1])):
             if trainer.poll() is not None or time.time() > deadline:
                 pytest.fail(f"trainer exited ({trainer.returncode}) or timed out before its server answered:\n"
@@ -155,30 +155,68 @@ def test_vllm_serves_the_llama_checkpoint_launched_by_the_trainer(smollm2_run):
 
 
 def test_sigkilled_trainer_takes_its_vllm_server_along(smollm2_run):
+    from april_jax.rollout.vllm import proctree
+
     trainer, workdir, pidfile = smollm2_run
-    pgid = int(pidfile.read_text().split()[0])
-    members = group_pids(pgid)
-    assert len(members) >= 4, members  # sidecar, API server, engine core, worker
+    pgid, _url, token = pidfile.read_text().split()[:3]
+    members = {pid: proctree.start_time(pid) for pid in proctree.tree_pids(token)}
+    assert len(members) >= 5, members  # sidecar, API server, engine core, worker, resource tracker
+    # the weight transport: a full copy of the weights in shared memory, named after the trainer
+    transport = list(Path("/dev/shm").glob(f"april_jax_weights_*_{trainer.pid}-*"))
+    assert len(transport) == 1, transport
     assert trainer.poll() is None, "the run ended before it could be killed"
     trainer.send_signal(signal.SIGKILL)
     trainer.wait()
-    took = wait_until(lambda: not group_pids(pgid), 15)
-    print(f"server group of {len(members)} processes gone {took:.1f}s after the trainer's SIGKILL")
-    assert not pidfile.exists()
+    took = wait_until(lambda: all(proctree.start_time(p) != t for p, t in members.items()), 15)
+    print(f"server tree of {len(members)} processes gone {took:.1f}s after the trainer's SIGKILL")
+    assert not group_pids(int(pgid)) and not proctree.tree_pids(token) and not pidfile.exists()
+    wait_until(lambda: not transport[0].exists(), 5)
 
 
 # ---- finding the vLLM interpreter: one line saying what to set, never a traceback ----
 
-def test_missing_vllm_interpreter_is_one_line_naming_the_key(tmp_path):
+def _train_with_vllm_python(tmp_path, vllm_python):
     cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
            f"--config.workdir={tmp_path / 'w'}", "--config.rollout.engine=vllm",
-           f"--config.rollout.vllm_python={tmp_path / 'no-venv/bin/python'}", "--config.warmup.steps=0",
+           f"--config.rollout.vllm_python={vllm_python}", "--config.warmup.steps=0",
            "--config.log.tensorboard=false", "--config.log.progress=false"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [l for l in proc.stderr.splitlines() if "rollout.vllm_python" in l]
-    assert len(lines) == 1 and "no such file" in lines[0], proc.stderr[-2000:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in stderr, stderr[-2000:]
+    lines = [l for l in stderr.splitlines() if "rollout.vllm_python" in l]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(vllm_python) in lines[0], stderr[-2000:]
+    # nothing of the run is left in shared memory (its transport folder is named after its pid)
+    assert not list(Path("/dev/shm").glob(f"april_jax_weights_*_{proc.pid}-*")) if Path("/dev/shm").is_dir() else True
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "script that exits 0"])
+def test_an_unusable_vllm_interpreter_is_one_line_naming_the_key_and_the_path(tmp_path, case):
+    if case == "missing":
+        path, expected = tmp_path / "no-venv/bin/python", "no such file"
+    elif case == "folder":
+        path, expected = tmp_path / "venv", "is a folder"
+        path.mkdir()
+    else:  # it would pass a probe that only looks at the exit code, then "serve" nothing
+        path, expected = tmp_path / "python", "is not a Python interpreter"
+        path.write_text("#!/bin/sh\nexit 0\n")
+        path.chmod(0o755)
+    assert expected in _train_with_vllm_python(tmp_path, path)
+
+
+def test_a_non_executable_or_foreign_binary_is_not_taken_for_an_interpreter(tmp_path):
+    from april_jax.rollout.vllm.server import VllmSetupError, find_vllm_python
+
+    text = tmp_path / "python"
+    text.write_text("not a program")
+    with pytest.raises(VllmSetupError, match=r"^rollout\.vllm_python=.*: not executable"):
+        find_vllm_python(str(text))
+    text.chmod(0o755)  # no shebang, not ELF: the kernel refuses it
+    with pytest.raises(VllmSetupError, match=r"^rollout\.vllm_python=.*(cannot be run|not a Python interpreter)"):
+        find_vllm_python(str(text))
+    with pytest.raises(VllmSetupError, match=r"not a Python interpreter"):
+        find_vllm_python("/bin/true")
 
 
 def test_without_vllm_python_the_repo_venv_is_found_or_the_key_is_named(tmp_path, monkeypatch):

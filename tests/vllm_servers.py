@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import tempfile
 import threading
 from pathlib import Path
 
+from april_jax import weights
 from april_jax.rollout.vllm.engine import VllmEngine
 from april_jax.rollout.vllm.server import VllmServer
 from hf_utils import save_tiny
@@ -52,7 +52,7 @@ class Cluster:
 
     def __init__(self, model_path, n: int, log_dir):
         self.key = secrets.token_hex(16)
-        self.transport = Path(tempfile.mkdtemp(prefix="april_jax_weights_", dir="/dev/shm"))  # 0700
+        self.transport = weights.make_transport_dir("/dev/shm")  # 0700, named after this process
         self.kw = dict(python=vllm_python(), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                        api_key=self.key, transport_dir=self.transport, log_dir=log_dir,
                        startup_timeout=480.0)  # 30-40 s idle; two starting together on a loaded box, minutes

@@ -12,18 +12,22 @@ mode) and returns the partial tokens the stream delivered. Logprobs are vLLM's d
 
 Failure: a stream cut by a dead server is parked; the next `step()` restarts the servers we own,
 re-syncs the latest weights from the shared buffer, and resumes every parked request from its
-partial tokens (prompt + generated ids, the remaining budget). A dead attached server leaves the
-rotation: its requests resume on the others, weight syncs skip it, and it is probed every
-`PROBE_EVERY_S`; once it answers again it gets the latest weights and rejoins. With every attached
-server down, `step()` waits for one (up to 240 s).
+partial tokens (prompt + generated ids, the remaining budget). A server whose watchdog died is
+treated the same, noticed at the next `step()` or weight sync even while it still answers: its
+whole process tree is stopped (by its tree token, `proctree`) and a new one started. A dead
+attached server leaves the rotation: its requests resume on the others, weight syncs skip it, and
+it is probed every `PROBE_EVERY_S`; once it answers again it gets the latest weights and rejoins.
+With every attached server down, `step()` waits for one (up to 240 s).
 
 Weights: `update_weights` writes HF-named tensors into a shared-memory safetensors buffer
 (`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) in the run's own transport
 folder and asks the worker extension (`worker_ext.WeightUpdateExt`) to reload from it, then resets
 the prefix cache. A launched server gets a fresh 0700 folder under `shared_dir` (default /dev/shm)
-and reads files only inside it. Attached servers must have been started with
-$APRIL_JAX_TRANSPORT_DIR; give the engine the same folder (`shared_dir`, or the same variable in
-the trainer's environment), on a shared filesystem when they run on other hosts.
+and reads files only inside it; the folder is named after the trainer (boot, pid, start time), its
+watchdog removes it if the trainer is killed, and any later start removes those of dead trainers.
+Attached servers must have been started with $APRIL_JAX_TRANSPORT_DIR; give the engine the same
+folder (`shared_dir`, or the same variable in the trainer's environment), on a shared filesystem
+when they run on other hosts; buffers a dead trainer of this host left there go at the next start.
 GPU memory when colocated with the trainer: `sleep_mode` starts the server with
 `--enable-sleep-mode` and sleeps it (level 1: weights to host, KV cache dropped) around every train
 step; off, `sleep`/`wake_up` are no-ops said once in the log (CPU servers have no sleep mode).
@@ -51,6 +55,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable
 
+from april_jax import weights
 from april_jax.rollout.engine import EngineStats, PollingEngine
 from april_jax.rollout.types import Request, Result
 from april_jax.rollout.vllm.server import VllmServer, VllmSetupError, healthy
@@ -104,13 +109,22 @@ class VllmEngine(PollingEngine):
             self.urls, self.api_key = list(urls), api_key
             for url in self.urls:
                 self._check_attached(url)
+            for gone in weights.reclaim_transport_leftovers(self.transport_dir):  # this host's only
+                log.warning("removed %s: the weight buffer of a run that is gone", gone)
         else:
             if model_path is None:
                 raise ValueError("VllmEngine: give model_path (to launch a server) or urls (to attach)")
             base = shared_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-            self.transport_dir = Path(tempfile.mkdtemp(prefix="april_jax_weights_", dir=base))  # mode 0700
-            server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                enable_sleep_mode=sleep_mode, transport_dir=self.transport_dir, **server_kw)
+            for gone in weights.reclaim_transport_leftovers(base):
+                log.warning("removed %s: the weight transport of a run that is gone", gone)
+            self.transport_dir = weights.make_transport_dir(base)  # mode 0700
+            try:
+                server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    enable_sleep_mode=sleep_mode, transport_dir=self.transport_dir,
+                                    owns_transport_dir=True, **server_kw)
+            except BaseException:
+                shutil.rmtree(self.transport_dir, ignore_errors=True)
+                raise
             self.servers.append(server)
             self.urls, self.api_key = [server.url], server.api_key
         self._buffer = None  # SharedSafetensors or CudaIpcBucket, made at the first sync
@@ -124,6 +138,7 @@ class VllmEngine(PollingEngine):
         self._stats = collections.Counter()
         self._t0 = time.perf_counter()
         self._said_no_sleep = False
+        self._closing = False
         # Each server's (iterations, generated tokens) counters when last read; counts since start.
         self._counters: dict[str, tuple[float, float]] = {url: self._read_counters(url) or (0.0, 0.0)
                                                           for url in self.urls}
@@ -266,11 +281,16 @@ class VllmEngine(PollingEngine):
 
     def _recover(self) -> None:
         """Restart dead servers we own (re-syncing the latest weights), take dead attached ones out
-        of rotation, resume lost requests."""
+        of rotation, resume lost requests. A server whose watchdog died is restarted too, even if
+        it still answers: nothing would stop it with the trainer."""
         for i, server in enumerate(self.servers):
             if server.alive() and healthy(server.url):
                 continue
-            log.warning("vLLM server %s is down; restarting (log tail: %s)", server.url, server.log_tail(5))
+            if server.alive():
+                log.warning("vLLM server %s is down; restarting (log tail: %s)", server.url, server.log_tail(5))
+            else:
+                log.warning("the watchdog of vLLM server %s is gone (exit %s); stopping what is left of the server "
+                            "and restarting it", server.url, server.proc.returncode)
             server.kill()
             fresh = VllmServer(**server.args)
             self.servers[i] = fresh
@@ -300,8 +320,11 @@ class VllmEngine(PollingEngine):
             self._stats["resumed_after_failure"] += 1
             self._launch(st)
 
+    def _watchdogs_lost(self) -> bool:
+        return any(not server.alive() for server in self.servers)
+
     def step(self, timeout: float = 0.05) -> list[Result]:
-        if self._lost:
+        if not self._closing and (self._lost or self._watchdogs_lost()):
             self._recover()
         if self._down:
             self._probe_down()
@@ -372,8 +395,8 @@ class VllmEngine(PollingEngine):
         filesystem but not memory), "cuda_ipc" (GPU only, untested: see `weights.CudaIpcBucket`)."""
         if params is None:
             raise TypeError("VllmEngine.update_weights: params is None (pass the policy's nnx.State or model)")
-        from april_jax import weights
-
+        if self._watchdogs_lost():
+            self._recover()
         named = weights.named_torch(params)
         if self.weight_transport == "cuda_ipc":
             if self._buffer is None:
@@ -381,14 +404,14 @@ class VllmEngine(PollingEngine):
             self._buffer.write(named)
             method, arg = "april_update_from_cuda_ipc", self._buffer.payload()
         elif self.weight_transport == "file":
-            path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}_v{version}.safetensors"
+            path = self.transport_dir / weights.transport_name(f"{id(self)}_v{version}.safetensors")
             tmp = path.with_suffix(".tmp")
             weights.write_safetensors(named, tmp)
             os.replace(tmp, path)
             method, arg = "april_update_from_file", str(path)
         else:
             if self._buffer is None:
-                path = self.transport_dir / f"april_jax_weights_{os.getpid()}_{id(self)}.safetensors"
+                path = self.transport_dir / weights.transport_name(f"{id(self)}.safetensors")
                 self._buffer = weights.SharedSafetensors(named, path)
             self._buffer.write(named)
             method, arg = "april_update_from_file", self._buffer.path
@@ -480,6 +503,7 @@ class VllmEngine(PollingEngine):
                     self._post(url, "/wake_up", {})
 
     def shutdown(self) -> None:
+        self._closing = True  # a server lost now is not restarted only to be stopped
         self.abort_all()
         for server in self.servers:
             server.kill()

