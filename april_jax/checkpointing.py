@@ -142,6 +142,18 @@ class Checkpointer:
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta)))
 
+    def write_now(self, meta: dict | None, params, opt_state, written: int | None, only_if_finite: bool = False):
+        """Write the checkpoint of `meta["step"]` unless that is `written` (the step saved last) and wait
+        until it is on disk; the step a checkpoint now holds (`written` when nothing was saved). Every
+        process calls it (the save is collective). `only_if_finite`: non-finite params are not saved
+        (the caller reports the older checkpoint) instead of raising."""
+        if meta is not None and meta["step"] != written:
+            if not only_if_finite or (all_finite(params) and all_finite(opt_state)):
+                self.save(meta["step"], params, opt_state, meta)
+                written = meta["step"]
+        self.manager.wait_until_finished()
+        return written
+
     def restore(self, step: int, params_like, opt_state_like, param_shardings=None, opt_shardings=None):
         """(params, opt_state, meta), placed like `*_like` (or on the given shardings)."""
         out = self.manager.restore(step, args=ocp.args.Composite(

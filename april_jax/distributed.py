@@ -57,6 +57,26 @@ def loopback_bind_address(coordinator_address: str) -> str | None:
     return None
 
 
+class Abandoned(Exception):
+    """The rollout in progress was given up on a stop signal."""
+
+
+class _StopAwareEngine:
+    """A rollout engine whose `step()` raises Abandoned once a stop signal arrived; everything
+    else is the engine's own."""
+
+    def __init__(self, engine, stop: "StopSignal"):
+        self.engine, self.stop = engine, stop
+
+    def step(self):
+        if self.stop.signum is not None:
+            raise Abandoned
+        return self.engine.step()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 class StopSignal:
     """SIGTERM / SIGINT handlers that only record the signal: the training loop checks
     `signum` at safe points (a handler that raised could interrupt a checkpoint half-written or a
@@ -74,6 +94,11 @@ class StopSignal:
         import signal
 
         return signal.Signals(self.signum).name if self.signum else ""
+
+    def watching(self, engine):
+        """`engine` for a rollout that a stop signal gives up (Abandoned from its next step): its
+        partial state is not kept, the checkpoint is of the last finished step."""
+        return _StopAwareEngine(engine, self)
 
     def install(self) -> "StopSignal":
         import signal
@@ -133,6 +158,9 @@ def initialize() -> None:
         bind = os.environ.get(BIND_VAR) or loopback_bind_address(kw["coordinator_address"])
         if bind:
             kw["coordinator_bind_address"] = bind
+    # JAX's preemption service catches SIGTERM in C++ (and only logs it): the trainer's StopSignal
+    # handles it instead, and its decision travels with the step's broadcast
+    jax.config.update("jax_enable_preemption_service", False)
     platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
     if platforms in ("", "cpu") and jax.config.jax_cpu_collectives_implementation in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -237,26 +237,6 @@ def _run(c, workdir: Path, lock, started: float, stop) -> dict:
         return _train(c, workdir, lock, mesh, task, cleanup, started, stop)
 
 
-class _Abandoned(Exception):
-    """The rollout in progress was given up on a stop signal."""
-
-
-class _StopAwareEngine:
-    """The engine as APRIL's collect sees it: once a stop signal arrived, the next `step()` gives
-    the rollout up (its partial state is not kept: the checkpoint is of the last finished step)."""
-
-    def __init__(self, engine, stop):
-        self.engine, self.stop = engine, stop
-
-    def step(self):
-        if self.stop.signum is not None:
-            raise _Abandoned
-        return self.engine.step()
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-
 class _MarkFailedRewards:
     """Wraps a GroupScorer: a group whose every reward failed (an exception, NaN or a timeout: the
     model counts them) has its samples marked, so that a step of such groups trains nothing. The
@@ -385,8 +365,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
             # a fresh run's step 0 scores the policy it starts from (the baseline RL improves on); later
             # evals score the policy after their step's update: `eval/version` says which
             start_eval = evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version) if step == 0 and c.eval.every else {}
-            with contextlib.suppress(_Abandoned):
-                groups, metrics = april.collect(_StopAwareEngine(engine, stop), version)
+            with contextlib.suppress(distributed.Abandoned):  # a signal gives the rollout up
+                groups, metrics = april.collect(stop.watching(engine), version)
             metrics.update(start_eval)
             t1, compile1 = time.perf_counter(), compile_clock.seconds()
             if stop.signum is None:  # a signal during the rollout (a reward worker it killed?) abandons it too
@@ -401,7 +381,9 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
         batch, shared = distributed.broadcast_batch(batch, shared)  # the other processes wait here
         if shared.get("stop"):
             stop.signum = shared["stop"]
-            _stop_now(c, ckpt, trainer, stop, finished[0], last_good, step)
+            # every process is here at the same step: the collective save of the last finished one
+            done = ckpt.write_now(finished[0], trainer.params, trainer.opt_state, last_good)
+            raise Stopped.after(stop.signum, done, c.train.total_steps, ckpt.directory)
         if batch is None:
             raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
         rewards_failed = shared["rewards_failed"]
@@ -452,7 +434,9 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
             why = ("every reward failed (an exception, NaN or a timeout)" if rewards_failed else
                    f"non-finite loss, gradient or updated parameters (loss {metrics.get('train/loss')}, "
                    f"grad norm {metrics.get('train/grad_norm')})")
-            last_good = _save_trained(ckpt, trainer, trained, last_good)
+            # the last step that trained, if no checkpoint has it and the skipped steps left its params
+            last_good = ckpt.write_now(trained[0] if trained[1] else None, trainer.params, trainer.opt_state,
+                                       last_good, only_if_finite=True)
             kept = f"{ckpt.directory / str(last_good)}" if last_good is not None else "none written"
             if skipped_in_a_row >= c.train.max_skipped_steps:
                 raise TrainingError(f"stopped after {skipped_in_a_row} skipped steps in a row "
@@ -461,35 +445,6 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
             raise TrainingError(f"the run ended on {skipped_in_a_row} skipped step(s) (the last: step {step}): {why}; "
                                 f"last good checkpoint: {kept} (rerun the same command to redo the skipped steps)")
     return last  # a signal during the last step's update: it finished, its checkpoint is written, done
-
-
-def _save_trained(ckpt, trainer, trained, last_good):
-    """Write the last step that trained, when no checkpoint has it and the params are still its own
-    (the steps skipped since did not change them); the last good checkpoint's step (None: none)."""
-    meta, unchanged = trained
-    if meta is None or meta["step"] == last_good or not unchanged:
-        return last_good
-    from april_jax.checkpointing import all_finite
-
-    if not all_finite(trainer.params) or not all_finite(trainer.opt_state):
-        return last_good  # a diverged warm-up: nothing good to keep
-    ckpt.save(meta["step"], trainer.params, trainer.opt_state, meta)
-    ckpt.manager.wait_until_finished()
-    return meta["step"]
-
-
-def _stop_now(c, ckpt, trainer, stop, meta, last_good, step: int):
-    """Every process: write the last finished step's checkpoint unless it exists (a collective
-    save: every process is here at the same step), wait for it, and raise Stopped with the line."""
-    if meta is not None and meta["step"] != last_good:
-        ckpt.save(meta["step"], trainer.params, trainer.opt_state, meta)
-    ckpt.manager.wait_until_finished()
-    done = meta["step"] if meta is not None else last_good
-    if done is None:
-        raise Stopped(stop.signum, f"stopped by {stop.name} before step 1 of {c.train.total_steps} finished: "
-                                   f"nothing to save; rerun the same command to start again")
-    raise Stopped(stop.signum, f"stopped by {stop.name} after step {done} of {c.train.total_steps}: checkpoint at "
-                               f"{ckpt.directory / str(done)}; rerun the same command to resume")
 
 
 USAGE = """usage: python -m april_jax.train --config FILE [--config.KEY=VALUE ...]
