@@ -63,8 +63,19 @@ def _abstract(tree, shardings=None):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _not_a_background_traceback(record) -> bool:
+    """orbax logs each failure of its background save threads with a traceback (hundreds of lines
+    for one full disk) and then raises the same error in the caller: the caller reports it once."""
+    return not (record.exc_info and "/orbax/" in record.pathname.replace("\\", "/"))
+
+
 class Checkpointer:
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
+        import logging
+
+        logger = logging.getLogger("absl")
+        if _not_a_background_traceback not in logger.filters:
+            logger.addFilter(_not_a_background_traceback)
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,

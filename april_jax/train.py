@@ -18,6 +18,7 @@ import errno
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -477,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
         print((USAGE + "\n" if not prefix else "") + keys)
         return
     stop = distributed.StopSignal().install()  # from here on a signal only asks the loop to stop
+    c = None
     try:
         c = load_config(argv)
         run(c, stop)
@@ -490,8 +492,8 @@ def main(argv: list[str] | None = None) -> None:
             fail(str(e))
         if e.errno not in DISK_ERRORS:
             raise
-        # a full disk, or a folder the run cannot write: the last complete checkpoint is intact
-        fail(f"{e.filename or 'writing the run'}: {e.strerror or e}")
+        # a full disk, or a folder the run cannot write: the checkpoints written before are intact
+        fail(f"{e.filename or (c and c.workdir) or 'writing the run'}: {e.strerror or e}{RERUN}")
     except (ValueError, TrainingError) as e:
         from april_jax.data.dataset import DataError
         from april_jax.data.tokenizer import TokenizerError
@@ -500,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(e, (DataError, CheckpointError, TokenizerError, TrainingError)):
             fail(str(e))
         if DISK_FULL_TEXT in str(e):  # orbax reports tensorstore's write errors as ValueError
-            fail(f"checkpoint: {DISK_FULL_TEXT} (the last complete checkpoint is intact)")
+            where = re.search(r"/[^\"'\s]*/checkpoints/\d+", str(e))
+            fail(f"writing checkpoint {where.group(0) if where else ''}: {DISK_FULL_TEXT}{RERUN}")
         raise
     finally:
         stop.uninstall()
@@ -508,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR)
 DISK_FULL_TEXT = "No space left on device"
+RERUN = " (the checkpoints before it are intact: fix this and rerun the same command to resume)"
 
 
 if __name__ == "__main__":
