@@ -69,13 +69,43 @@ def _not_a_background_traceback(record) -> bool:
     return not (record.exc_info and "/orbax/" in record.pathname.replace("\\", "/"))
 
 
+def _closed_loop_echo(kind, value) -> bool:
+    """A failed background save closes orbax's event loop while tensorstore still completes the
+    writes it had started; each completion then reports "Event loop is closed" (as an unraisable
+    error, a traceback each). The save's own error reaches the caller: only those echoes are dropped."""
+    return kind is RuntimeError and str(value) == "Event loop is closed"
+
+
+def _quiet_unraisable_hook(previous):
+    def hook(unraisable):
+        if not _closed_loop_echo(unraisable.exc_type, unraisable.exc_value):
+            previous(unraisable)
+
+    hook.quiets_closed_loops = True
+    return hook
+
+
+def _quiet_excepthook(previous):
+    def hook(kind, value, tb):
+        if not _closed_loop_echo(kind, value):
+            previous(kind, value, tb)
+
+    hook.quiets_closed_loops = True
+    return hook
+
+
 class Checkpointer:
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
         import logging
+        import sys
 
         logger = logging.getLogger("absl")
         if _not_a_background_traceback not in logger.filters:
             logger.addFilter(_not_a_background_traceback)
+        if not getattr(sys.excepthook, "quiets_closed_loops", False):
+            sys.excepthook = _quiet_excepthook(sys.excepthook)
+        if not getattr(sys.unraisablehook, "quiets_closed_loops", False):
+            sys.unraisablehook = _quiet_unraisable_hook(sys.unraisablehook)
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
@@ -153,15 +183,13 @@ class Checkpointer:
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta)))
 
-    def write_now(self, meta: dict | None, params, opt_state, written: int | None, only_if_finite: bool = False):
+    def write_now(self, meta: dict | None, params, opt_state, written: int | None):
         """Write the checkpoint of `meta["step"]` unless that is `written` (the step saved last) and wait
         until it is on disk; the step a checkpoint now holds (`written` when nothing was saved). Every
-        process calls it (the save is collective). `only_if_finite`: non-finite params are not saved
-        (the caller reports the older checkpoint) instead of raising."""
+        process calls it (the save is collective)."""
         if meta is not None and meta["step"] != written:
-            if not only_if_finite or (all_finite(params) and all_finite(opt_state)):
-                self.save(meta["step"], params, opt_state, meta)
-                written = meta["step"]
+            self.save(meta["step"], params, opt_state, meta)
+            written = meta["step"]
         self.manager.wait_until_finished()
         return written
 

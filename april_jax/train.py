@@ -290,13 +290,13 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
         lock.acquire()
     workdir.mkdir(parents=True, exist_ok=True)
     main = distributed.is_main()  # process 0 owns the rollout and the workdir's files (distributed.py)
-    if main:
-        (workdir / "config.json").write_text(c.to_json(indent=2))
     max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
     ckpt = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep)
     cleanup.callback(ckpt.close)
     latest = ckpt.latest_step()
     ckpt.check_resumable(json.loads(c.to_json()), model.cfg.to_hf_config())
+    if main:
+        (workdir / "config.json").write_text(c.to_json(indent=2))
     warmed_up = latest is None and bool(c.warmup.steps)
     if warmed_up:  # fresh run: supervised warm-up before RL on the task's examples
         from april_jax.rl import sft
@@ -356,8 +356,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
                 "data": train_prompts.state_dict(), "april": april.state_dict(), "rng": rng,
                 "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
 
-    # (meta, params unchanged since) of the last finished step, and of the last one that trained
-    finished = trained = (state(start), True) if warmed_up or start == latest else (None, True)
+    # the checkpoint meta of the last finished step (None: nothing a fresh run could not redo)
+    finished = state(start) if warmed_up or start == latest else None
     compile_clock.install()
     for step in range(start, c.train.total_steps):
         t0, compile0 = time.perf_counter(), compile_clock.seconds()
@@ -383,7 +383,7 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
         if shared.get("stop"):
             stop.signum = shared["stop"]
             # every process is here at the same step: the collective save of the last finished one
-            done = ckpt.write_now(finished[0], trainer.params, trainer.opt_state, last_good)
+            done = ckpt.write_now(finished, trainer.params, trainer.opt_state, last_good)
             raise Stopped.after(stop.signum, done, c.train.total_steps, ckpt.directory)
         if batch is None:
             raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
@@ -394,8 +394,6 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
         else:
             metrics.update(trainer.update(batch, version, c.train.num_iterations))  # pi_old once, then epochs
         skipped = metrics["train/skipped"] > 0
-        # a skipped step leaves the params as they were unless only some of its epochs were skipped
-        unchanged = rewards_failed or metrics["train/skipped"] >= c.train.num_iterations
         t2 = time.perf_counter()
         version += 1
         # the simulated engine has no model: the trainer's own state (no copy), not a gather to process 0
@@ -416,13 +414,12 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
             with open(workdir / "delivered.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
         skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-        finished = (state(step + 1), True)
-        trained = finished if not skipped else (trained[0], trained[1] and unchanged)
+        finished = state(step + 1)
         # A checkpoint is written only after a step that trained: a resume then redoes the skipped ones.
         save_due = save_due or (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps
         if save_due and not skipped:
             t4 = time.perf_counter()
-            ckpt.save(step + 1, trainer.params, trainer.opt_state, finished[0])
+            ckpt.save(step + 1, trainer.params, trainer.opt_state, finished)
             if hasattr(engine, "release_held"):  # a run resumed from here holds no KV: neither does this one
                 engine.release_held()
             metrics["time/ckpt_s"] = time.perf_counter() - t4
@@ -435,9 +432,6 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
             why = ("every reward failed (an exception, NaN or a timeout)" if rewards_failed else
                    f"non-finite loss, gradient or updated parameters (loss {metrics.get('train/loss')}, "
                    f"grad norm {metrics.get('train/grad_norm')})")
-            # the last step that trained, if no checkpoint has it and the skipped steps left its params
-            last_good = ckpt.write_now(trained[0] if trained[1] else None, trainer.params, trainer.opt_state,
-                                       last_good, only_if_finite=True)
             kept = f"{ckpt.directory / str(last_good)}" if last_good is not None else "none written"
             if skipped_in_a_row >= c.train.max_skipped_steps:
                 raise TrainingError(f"stopped after {skipped_in_a_row} skipped steps in a row "
