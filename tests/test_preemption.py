@@ -150,3 +150,15 @@ def test_sigterm_under_launch_stops_every_process_at_one_step(tmp_path):
     meta = json.loads((workdir / "checkpoints" / str(done) / "meta" / "metadata").read_text())
     assert meta["step"] == done and len(read_metrics(workdir)) == done
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(done)]
+
+
+def test_the_coordinator_listens_on_loopback_only(tmp_path):
+    """Under launch, JAX's coordinator (process 0, the real service) binds 127.0.0.1, not every
+    interface (JAX's default, [::]:PORT)."""
+    env = dict(ENV, PROBE_DIR=str(tmp_path), PROBE_MODE="listen", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.launch import launch; "
+                           "sys.exit(launch(2, [], cpu_devices=1, module='launch_probe'))"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sockets = json.loads((tmp_path / "listen_0").read_text())
+    assert sockets == ["127.0.0.1"], sockets
