@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         fail(str(e))
     except OSError as e:
-        if isinstance(e, FileNotFoundError) and not e.filename:
+        if isinstance(e, FileNotFoundError):  # a path in the config: the message names it
             fail(str(e))
         if e.errno not in DISK_ERRORS:
             raise
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         stop.uninstall()
 
 
-DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR)
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 DISK_FULL_TEXT = "No space left on device"
 RERUN = " (the checkpoints before it are intact: fix this and rerun the same command to resume)"
 
