@@ -65,8 +65,13 @@ def _abstract(tree, shardings=None):
 
 def _not_a_background_traceback(record) -> bool:
     """orbax logs each failure of its background save threads with a traceback (hundreds of lines
-    for one full disk) and then raises the same error in the caller: the caller reports it once."""
-    return not (record.exc_info and "/orbax/" in record.pathname.replace("\\", "/"))
+    for one full disk), and asyncio logs the tensorstore writes whose futures nobody awaited after
+    that; orbax then raises the same error in the caller, which reports it once."""
+    if not record.exc_info or record.exc_info[1] is None:
+        return True
+    if record.name == "asyncio":
+        return "OCDBT" not in str(record.exc_info[1])  # a tensorstore write of a checkpoint
+    return "/orbax/" not in record.pathname.replace("\\", "/")
 
 
 def _closed_loop_echo(kind, value) -> bool:
@@ -99,9 +104,9 @@ class Checkpointer:
         import logging
         import sys
 
-        logger = logging.getLogger("absl")
-        if _not_a_background_traceback not in logger.filters:
-            logger.addFilter(_not_a_background_traceback)
+        for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+            if _not_a_background_traceback not in logger.filters:
+                logger.addFilter(_not_a_background_traceback)
         if not getattr(sys.excepthook, "quiets_closed_loops", False):
             sys.excepthook = _quiet_excepthook(sys.excepthook)
         if not getattr(sys.unraisablehook, "quiets_closed_loops", False):
