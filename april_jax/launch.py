@@ -5,8 +5,8 @@
 Each process runs `python -m april_jax.train` with the arguments given (everything but the
 launcher's own flags) and the standard `jax.distributed` environment: JAX_COORDINATOR_ADDRESS
 (127.0.0.1 and a free port), JAX_NUM_PROCESSES, JAX_PROCESS_ID, and JAX_COORDINATOR_BIND_ADDRESS
-(the same loopback address: JAX's coordinator would otherwise listen on every interface). On CPU each process gets
-`--cpu-devices-per-process` devices (XLA_FLAGS --xla_force_host_platform_device_count) and
+(the same loopback address: JAX's coordinator would otherwise listen on every interface). On
+CPU each process gets `--cpu-devices-per-process` devices (XLA_FLAGS --xla_force_host_platform_device_count) and
 gloo collectives, so `--nprocs 2 --cpu-devices-per-process 4` forms the same 8-device mesh as one
 process with 8 devices. Process 0's output streams to this terminal; the others' goes to
 LOG_DIR/process_I.log (shown when that process fails). When any process fails, every other one
@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     ours, rest = parser.parse_known_args(argv)
     if ours.nprocs < 1:
         parser.error(f"--nprocs={ours.nprocs}: must be >= 1")
+    if ours.stop_grace_s < 0:
+        parser.error(f"--stop-grace-s={ours.stop_grace_s}: must be >= 0")
     if ours.cpu_devices_per_process is not None and ours.cpu_devices_per_process < 1:
         parser.error(f"--cpu-devices-per-process={ours.cpu_devices_per_process}: must be >= 1")
     raise SystemExit(launch(ours.nprocs, rest, cpu_devices=ours.cpu_devices_per_process, log_dir=ours.log_dir,
