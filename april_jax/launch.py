@@ -6,9 +6,9 @@ Each process runs `python -m april_jax.train` with the arguments given (everythi
 launcher's own flags) and the standard `jax.distributed` environment: JAX_COORDINATOR_ADDRESS
 (127.0.0.1 and a free port), JAX_NUM_PROCESSES, JAX_PROCESS_ID, and JAX_COORDINATOR_BIND_ADDRESS
 (the same loopback address: JAX's coordinator would otherwise listen on every interface). On
-CPU each process gets `--cpu-devices-per-process` devices (XLA_FLAGS --xla_force_host_platform_device_count) and
-gloo collectives, so `--nprocs 2 --cpu-devices-per-process 4` forms the same 8-device mesh as one
-process with 8 devices. Process 0's output streams to this terminal; the others' goes to
+CPU each process gets `--cpu-devices-per-process` devices (XLA_FLAGS
+--xla_force_host_platform_device_count) and gloo collectives, so `--nprocs 2
+--cpu-devices-per-process 4` forms the same 8-device mesh as one process with 8 devices. Process 0's output streams to this terminal; the others' goes to
 LOG_DIR/process_I.log (shown when that process fails). When any process fails, every other one
 is stopped and the launcher exits with the failed process's code (128 + signal when killed).
 
