@@ -238,6 +238,29 @@ def _run(c, workdir: Path, lock, started: float, stop) -> dict:
         return _train(c, workdir, lock, mesh, task, cleanup, started, stop)
 
 
+def _frozen(april):
+    """A copy of `april` whose state_dict() the next rollout cannot change: its containers, the
+    buffered groups and their samples' lists copied one level deep (APRIL's state_dict() walks every
+    token: seconds per step for a large buffer; the copy is a few C-level list copies)."""
+    import copy
+
+    from april_jax.rollout.buffer import PartialBuffer
+
+    def shallow(obj):
+        out = copy.copy(obj)
+        for name, value in vars(obj).items():
+            if isinstance(value, (list, dict)):
+                setattr(out, name, type(value)(value))
+        return out
+
+    clone, clone.buffer = shallow(april), PartialBuffer(april.buffer.capacity)
+    for g in april.buffer.groups():
+        group = copy.copy(g)
+        group.samples = [shallow(s) for s in g.samples]
+        clone.buffer.put(group)
+    return clone
+
+
 class _MarkFailedRewards:
     """Wraps a GroupScorer: a group whose every reward failed (an exception, NaN or a timeout: the
     model counts them) has its samples marked, so that a step of such groups trains nothing. The
@@ -348,16 +371,22 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
         engine.set_rng_state(rng.get("engine"))
     last, skipped_in_a_row, save_due, last_good = {}, 0, False, ckpt.latest_step()
 
-    def state(done_steps: int) -> dict:
-        """The checkpoint meta after `done_steps` steps: also kept each step, for a stop signal's save."""
+    def state(done_steps: int, rollout=april) -> dict:
+        """The checkpoint meta after `done_steps` steps (APRIL's state from `rollout`)."""
         rng = {"engine": engine.rng_state() if engine is not None else None,  # None: not process 0
                "reward_failures": reward.failures, "reward_timeouts": reward.timeouts}
         return {"step": done_steps, "version": version, "skipped_steps": trainer.skipped_steps,
-                "data": train_prompts.state_dict(), "april": april.state_dict(), "rng": rng,
+                "data": train_prompts.state_dict(), "april": rollout.state_dict(), "rng": rng,
                 "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
 
-    # the checkpoint meta of the last finished step (None: nothing a fresh run could not redo)
-    finished = state(start) if warmed_up or start == latest else None
+    def later(done_steps: int):
+        """state(done_steps), built only if a stop signal's save needs it: APRIL's state (the large
+        part: the partial buffer's tokens) is copied now, as cheap list copies, for the next rollout changes it."""
+        frozen = _frozen(april)
+        return lambda: state(done_steps, frozen)
+
+    # the last finished step's checkpoint meta, when asked (None: nothing a fresh run could not redo)
+    finished = later(start) if warmed_up or start == latest else None
     compile_clock.install()
     for step in range(start, c.train.total_steps):
         t0, compile0 = time.perf_counter(), compile_clock.seconds()
@@ -383,7 +412,7 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
         if shared.get("stop"):
             stop.signum = shared["stop"]
             # every process is here at the same step: the collective save of the last finished one
-            done = ckpt.write_now(finished, trainer.params, trainer.opt_state, last_good)
+            done = ckpt.write_now(finished and finished(), trainer.params, trainer.opt_state, last_good)
             raise Stopped.after(stop.signum, done, c.train.total_steps, ckpt.directory)
         if batch is None:
             raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
@@ -414,12 +443,12 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
             with open(workdir / "delivered.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
         skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-        finished = state(step + 1)
+        finished = later(step + 1)
         # A checkpoint is written only after a step that trained: a resume then redoes the skipped ones.
         save_due = save_due or (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps
         if save_due and not skipped:
             t4 = time.perf_counter()
-            ckpt.save(step + 1, trainer.params, trainer.opt_state, finished)
+            ckpt.save(step + 1, trainer.params, trainer.opt_state, state(step + 1))
             if hasattr(engine, "release_held"):  # a run resumed from here holds no KV: neither does this one
                 engine.release_held()
             metrics["time/ckpt_s"] = time.perf_counter() - t4
