@@ -238,29 +238,6 @@ def _run(c, workdir: Path, lock, started: float, stop) -> dict:
         return _train(c, workdir, lock, mesh, task, cleanup, started, stop)
 
 
-def _frozen(april):
-    """A copy of `april` whose state_dict() the next rollout cannot change: its containers, the
-    buffered groups and their samples' lists copied one level deep (APRIL's state_dict() walks every
-    token: seconds per step for a large buffer; the copy is a few C-level list copies)."""
-    import copy
-
-    from april_jax.rollout.buffer import PartialBuffer
-
-    def shallow(obj):
-        out = copy.copy(obj)
-        for name, value in vars(obj).items():
-            if isinstance(value, (list, dict)):
-                setattr(out, name, type(value)(value))
-        return out
-
-    clone, clone.buffer = shallow(april), PartialBuffer(april.buffer.capacity)
-    for g in april.buffer.groups():
-        group = copy.copy(g)
-        group.samples = [shallow(s) for s in g.samples]
-        clone.buffer.put(group)
-    return clone
-
-
 class _MarkFailedRewards:
     """Wraps a GroupScorer: a group whose every reward failed (an exception, NaN or a timeout: the
     model counts them) has its samples marked, so that a step of such groups trains nothing. The
@@ -297,7 +274,7 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
     import jax
 
     from april_jax import compile_clock
-    from april_jax.checkpointing import Checkpointer
+    from april_jax.checkpointing import Checkpointer, frozen_copy
     from april_jax.metrics import MetricsWriter, truncate_log
     from april_jax.rl.advantages import overlong_penalty
     from april_jax.rl.batch import groups_to_batch
@@ -382,7 +359,7 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
     def later(done_steps: int):
         """state(done_steps), built only if a stop signal's save needs it: APRIL's state (the large
         part: the partial buffer's tokens) is copied now, as cheap list copies, for the next rollout changes it."""
-        frozen = _frozen(april)
+        frozen = frozen_copy(april)
         return lambda: state(done_steps, frozen)
 
     # the last finished step's checkpoint meta, when asked (None: nothing a fresh run could not redo)
