@@ -349,18 +349,18 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
     last, skipped_in_a_row, save_due, last_good = {}, 0, False, ckpt.latest_step()
 
     def state(done_steps: int, rollout=april) -> dict:
-        """The checkpoint meta after `done_steps` steps (APRIL's state from `rollout`)."""
+        """The checkpoint meta after `done_steps` steps (APRIL's state from `rollout`, if given)."""
         rng = {"engine": engine.rng_state() if engine is not None else None,  # None: not process 0
                "reward_failures": reward.failures, "reward_timeouts": reward.timeouts}
         return {"step": done_steps, "version": version, "skipped_steps": trainer.skipped_steps,
-                "data": train_prompts.state_dict(), "april": rollout.state_dict(), "rng": rng,
+                "data": train_prompts.state_dict(), "april": rollout.state_dict() if rollout is not None else None, "rng": rng,
                 "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
 
     def later(done_steps: int):
-        """state(done_steps), built only if a stop signal's save needs it: APRIL's state (the large
-        part: the partial buffer's tokens) is copied now, as cheap list copies, for the next rollout changes it."""
-        frozen = frozen_copy(april)
-        return lambda: state(done_steps, frozen)
+        """state(done_steps) for a stop signal's save, should one come: all but APRIL's state now;
+        APRIL's (the large part: the partial buffer's tokens) as a cheap copy, made a dict only if asked."""
+        meta, frozen = state(done_steps, None), frozen_copy(april)
+        return lambda: dict(meta, april=frozen.state_dict())
 
     # the last finished step's checkpoint meta, when asked (None: nothing a fresh run could not redo)
     finished = later(start) if warmed_up or start == latest else None
