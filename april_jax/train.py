@@ -353,7 +353,8 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, st
         rng = {"engine": engine.rng_state() if engine is not None else None,  # None: not process 0
                "reward_failures": reward.failures, "reward_timeouts": reward.timeouts}
         return {"step": done_steps, "version": version, "skipped_steps": trainer.skipped_steps,
-                "data": train_prompts.state_dict(), "april": rollout.state_dict() if rollout is not None else None, "rng": rng,
+                "data": train_prompts.state_dict(), "rng": rng,
+                "april": rollout.state_dict() if rollout is not None else None,
                 "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
 
     def later(done_steps: int):
