@@ -19,6 +19,42 @@ from april_jax.errors import CheckpointError
 
 # What the trainer and `ckpt` read from a checkpoint's meta.
 META_KEYS = ("step", "version", "skipped_steps", "data", "april", "model_config")
+INT_META_KEYS = ("step", "version", "skipped_steps")
+# Config keys whose value is built into what a checkpoint holds: the buffered groups' size
+# (n_samples_per_prompt) and the prompts' tokens (task). The model's shapes are compared on its
+# Hugging Face config, whatever set them (model.arch, model.tiny.*, model.path).
+SHAPE_KEYS = ("rollout.n_samples_per_prompt", "data.task")
+MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def meta_problem(meta) -> str | None:
+    """What is wrong with a checkpoint meta (missing keys, a step that is not a number), or None."""
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        return f"its meta lacks {', '.join(missing)}"
+    wrong = [f"{k}={meta[k]!r}" for k in INT_META_KEYS if type(meta[k]) is not int or meta[k] < 0]
+    return f"its meta has {', '.join(wrong)} (expected whole numbers >= 0)" if wrong else None
+
+
+def _lookup(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def shape_changes(meta: dict, config: dict, model_config: dict) -> list[str]:
+    """`key: checkpoint value -> this run's value` for each shape-defining key that differs."""
+    changed = []
+    for key in SHAPE_KEYS:
+        old, new = _lookup(meta.get("config") or {}, key), _lookup(config, key)
+        if old is not None and old != new:
+            changed.append(f"{key}: {old!r} -> {new!r}")
+    for key in MODEL_SHAPE_KEYS:
+        old, new = (meta.get("model_config") or {}).get(key), model_config.get(key)
+        if old is not None and new is not None and old != new:
+            changed.append(f"model {key}: {old!r} -> {new!r}")
+    return changed
 
 
 def _abstract(tree, shardings=None):
@@ -27,8 +63,54 @@ def _abstract(tree, shardings=None):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _not_a_background_traceback(record) -> bool:
+    """orbax logs each failure of its background save threads with a traceback (hundreds of lines
+    for one full disk), and asyncio logs the tensorstore writes whose futures nobody awaited after
+    that; orbax then raises the same error in the caller, which reports it once."""
+    if not record.exc_info or record.exc_info[1] is None:
+        return True
+    if record.name == "asyncio":
+        return "OCDBT" not in str(record.exc_info[1])  # a tensorstore write of a checkpoint
+    return "/orbax/" not in record.pathname.replace("\\", "/")
+
+
+def _closed_loop_echo(kind, value) -> bool:
+    """A failed background save closes orbax's event loop while tensorstore still completes the
+    writes it had started; each completion then reports "Event loop is closed" (as an unraisable
+    error, a traceback each). The save's own error reaches the caller: only those echoes are dropped."""
+    return kind is RuntimeError and str(value) == "Event loop is closed"
+
+
+def _quiet_unraisable_hook(previous):
+    def hook(unraisable):
+        if not _closed_loop_echo(unraisable.exc_type, unraisable.exc_value):
+            previous(unraisable)
+
+    hook.quiets_closed_loops = True
+    return hook
+
+
+def _quiet_excepthook(previous):
+    def hook(kind, value, tb):
+        if not _closed_loop_echo(kind, value):
+            previous(kind, value, tb)
+
+    hook.quiets_closed_loops = True
+    return hook
+
+
 class Checkpointer:
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
+        import logging
+        import sys
+
+        for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+            if _not_a_background_traceback not in logger.filters:
+                logger.addFilter(_not_a_background_traceback)
+        if not getattr(sys.excepthook, "quiets_closed_loops", False):
+            sys.excepthook = _quiet_excepthook(sys.excepthook)
+        if not getattr(sys.unraisablehook, "quiets_closed_loops", False):
+            sys.unraisablehook = _quiet_unraisable_hook(sys.unraisablehook)
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
@@ -36,6 +118,23 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def check_resumable(self, config: dict, model_config: dict) -> None:
+        """Fail with one line naming the keys when the newest checkpoint whose meta reads was written
+        with other shapes than this run's: restoring would fail deep in orbax (a changed model), or
+        succeed and carry groups of the old size into a batch that no longer divides (a changed
+        n_samples_per_prompt). Unreadable checkpoints are left to `restore_latest`."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                meta = read_meta(self.directory / str(step))
+            except CheckpointError:
+                continue
+            changed = shape_changes(meta, config, model_config)
+            if changed:
+                raise CheckpointError(
+                    f"{self.directory / str(step)} was written by a run with other shapes ({'; '.join(changed)}): "
+                    f"resume with the checkpoint's values, or start a new run in another --config.workdir")
+            return
 
     def restore_latest(self, params_like, opt_state_like, param_shardings=None, opt_shardings=None, log=print):
         """(step, params, opt_state, meta) of the newest checkpoint that restores and is finite, or None.
@@ -50,9 +149,9 @@ class Checkpointer:
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 params, opt_state, meta = self.restore(step, params_like, opt_state_like, param_shardings, opt_shardings)
-                missing = [k for k in META_KEYS if k not in meta]
-                if missing:
-                    raise CheckpointError(f"meta lacks {missing}")
+                problem = meta_problem(meta)
+                if problem:
+                    raise CheckpointError(problem)
                 if not all_finite(params) or not all_finite(opt_state):
                     raise CheckpointError("non-finite parameters or optimiser state")
             except Exception as e:  # tensorstore, orbax, JSON and key errors alike: the directory is unusable
@@ -89,6 +188,16 @@ class Checkpointer:
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta)))
 
+    def write_now(self, meta: dict | None, params, opt_state, written: int | None):
+        """Write the checkpoint of `meta["step"]` unless that is `written` (the step saved last) and wait
+        until it is on disk; the step a checkpoint now holds (`written` when nothing was saved). Every
+        process calls it (the save is collective)."""
+        if meta is not None and meta["step"] != written:
+            self.save(meta["step"], params, opt_state, meta)
+            written = meta["step"]
+        self.manager.wait_until_finished()
+        return written
+
     def restore(self, step: int, params_like, opt_state_like, param_shardings=None, opt_shardings=None):
         """(params, opt_state, meta), placed like `*_like` (or on the given shardings)."""
         out = self.manager.restore(step, args=ocp.args.Composite(
@@ -100,6 +209,29 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def frozen_copy(april):
+    """A copy of `april` whose state_dict() the next rollout cannot change: its containers, the
+    buffered groups and their samples' lists copied one level deep (APRIL's state_dict() walks every
+    token: seconds per step for a large buffer; the copy is a few C-level list copies)."""
+    import copy
+
+    from april_jax.rollout.buffer import PartialBuffer
+
+    def shallow(obj):
+        out = copy.copy(obj)
+        for name, value in vars(obj).items():
+            if isinstance(value, (list, dict)):
+                setattr(out, name, type(value)(value))
+        return out
+
+    clone, clone.buffer = shallow(april), PartialBuffer(april.buffer.capacity)
+    for g in april.buffer.groups():
+        group = copy.copy(g)
+        group.samples = [shallow(s) for s in g.samples]
+        clone.buffer.put(group)
+    return clone
 
 
 def all_finite(tree) -> bool:
@@ -124,9 +256,10 @@ def read_meta(step_dir) -> dict:
         meta = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        raise CheckpointError(f"{step_dir}: not an april_jax checkpoint (its meta lacks {', '.join(missing)})")
+    problem = meta_problem(meta)
+    if problem:
+        what = "not an april_jax checkpoint" if "lacks" in problem else "a damaged checkpoint"
+        raise CheckpointError(f"{step_dir}: {what} ({problem})")
     return meta
 
 

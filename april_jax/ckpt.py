@@ -45,10 +45,16 @@ def describe(path) -> dict:
     }
 
 
-def check_export_target(out, force: bool = False) -> None:
+def check_export_target(out, force: bool = False, step_dir=None) -> None:
     """OUT must be a new or empty directory, or --force: an export replaces model*.safetensors,
-    the index and config.json of whatever checkpoint is there."""
+    the index and config.json of whatever checkpoint is there. It must not be inside the run's
+    checkpoints folder (`step_dir`'s parent): checkpoint rotation deletes old steps whole."""
     out = Path(out)
+    if step_dir is not None:
+        checkpoints = Path(step_dir).resolve().parent
+        if out.resolve() == checkpoints or checkpoints in out.resolve().parents:
+            raise CheckpointError(f"{out}: inside the run's checkpoints folder {checkpoints}, whose old steps the "
+                                  f"trainer deletes (checkpoint.keep); choose a folder outside it")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -65,7 +71,7 @@ def export_hf(path, out, force: bool = False) -> None:
 
     step_dir = resolve_step_dir(path)
     meta = read_meta(step_dir)
-    check_export_target(out, force)
+    check_export_target(out, force, step_dir)
     cfg = qwen3.Qwen3Config.from_hf_config(meta["model_config"],
                                            param_dtype=meta["model_config"].get("torch_dtype", "float32"))
     tokenizer_dir = tokenizer_source(meta)

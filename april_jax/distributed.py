@@ -23,6 +23,17 @@ written by process 0), so a checkpoint restores on any process count.
 Environment (the standard `jax.distributed` variables): JAX_COORDINATOR_ADDRESS (host:port of
 process 0), JAX_NUM_PROCESSES, JAX_PROCESS_ID; under SLURM (srun, SLURM_NTASKS > 1) JAX finds
 them itself. `python -m april_jax.launch --nprocs N` sets them for N local processes.
+
+Where the coordinator listens: process 0 runs JAX's coordinator service. When
+JAX_COORDINATOR_ADDRESS names this machine's loopback (127.0.0.1, ::1, localhost: what
+`april_jax.launch` sets) it binds that address only, so nothing outside the machine can reach
+it. On a cluster the other hosts must reach it, and JAX binds every interface ([::]:PORT) by
+default: set JAX_COORDINATOR_BIND_ADDRESS=IP:PORT to the cluster network's interface of the
+first host (the job's private network) so that it does not listen on a public one.
+
+Stopping on SIGTERM / SIGINT (a scheduler's preemption, Ctrl-C): `StopSignal` only records the
+signal; process 0 decides at its next check and the decision travels with the step's broadcast,
+so every process leaves the loop at the same step and joins the same (collective) checkpoint save.
 """
 
 from __future__ import annotations
@@ -33,6 +44,88 @@ import os
 import numpy as np
 
 ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+BIND_VAR = "JAX_COORDINATOR_BIND_ADDRESS"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def loopback_bind_address(coordinator_address: str) -> str | None:
+    """The address the coordinator should bind when `coordinator_address` is a loopback one (the
+    same host and port), else None (JAX's default: every interface, for a multi-host job)."""
+    host, _, port = coordinator_address.rpartition(":")
+    if host in LOOPBACK_HOSTS or host.startswith("127."):
+        return f"{'127.0.0.1' if host == 'localhost' else host}:{port}"
+    return None
+
+
+class Abandoned(Exception):
+    """The rollout in progress was given up on a stop signal."""
+
+
+class _StopAwareEngine:
+    """A rollout engine whose `step()` raises Abandoned once a stop signal arrived; everything
+    else is the engine's own."""
+
+    def __init__(self, engine, stop: "StopSignal"):
+        self.engine, self.stop = engine, stop
+
+    def step(self):
+        if self.stop.signum is not None:
+            raise Abandoned
+        return self.engine.step()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+class StopSignal:
+    """SIGTERM / SIGINT handlers that only record the signal: the training loop checks
+    `signum` at safe points (a handler that raised could interrupt a checkpoint half-written or a
+    collective the other processes are in). A second signal while stopping changes nothing but
+    a note on stderr: the checkpoint is being written, and only SIGKILL cuts it short."""
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    @property
+    def name(self) -> str:
+        import signal
+
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def watching(self, engine):
+        """`engine` for a rollout that a stop signal gives up (Abandoned from its next step): its
+        partial state is not kept, the checkpoint is of the last finished step."""
+        return _StopAwareEngine(engine, self)
+
+    def install(self) -> "StopSignal":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum, _frame) -> None:
+        import signal
+
+        if self.signum is None:
+            self.signum = signum
+            return
+        # os.write: safe in a handler that may have interrupted a print
+        os.write(2, f"{signal.Signals(signum).name} again: still writing the checkpoint; SIGKILL stops at once "
+                    f"(the last checkpoint stays intact)\n".encode())
 
 
 def requested() -> bool:
@@ -62,6 +155,12 @@ def initialize() -> None:
         except ValueError:
             raise ConfigError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']!r} and "
                               f"JAX_PROCESS_ID={os.environ['JAX_PROCESS_ID']!r} must be integers") from None
+        bind = os.environ.get(BIND_VAR) or loopback_bind_address(kw["coordinator_address"])
+        if bind:
+            kw["coordinator_bind_address"] = bind
+    # JAX's preemption service catches SIGTERM in C++ (and only logs it): the trainer's StopSignal
+    # handles it instead, and its decision travels with the step's broadcast
+    jax.config.update("jax_enable_preemption_service", False)
     platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
     if platforms in ("", "cpu") and jax.config.jax_cpu_collectives_implementation in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -104,21 +203,23 @@ def _broadcast_bytes(payload: bytes | None) -> bytes:
     return multihost_utils.broadcast_one_to_all(buffer).tobytes()
 
 
-def broadcast_batch(batch: dict | None, extra: dict | None = None) -> tuple[dict, dict]:
+def broadcast_batch(batch: dict | None, extra: dict | None = None) -> tuple[dict | None, dict]:
     """(batch, extra) from process 0 on every process: `batch` maps names to numpy arrays (or
-    None), `extra` is JSON-able. One process: returned as given."""
+    None), or is None (no batch: the step stops); `extra` is JSON-able. One process: returned as given."""
     if not multiprocess():
         return batch, extra or {}
     payload = None
     if is_main():
-        arrays = {k: np.ascontiguousarray(v) for k, v in batch.items() if v is not None}
-        header = {"extra": extra or {}, "none": [k for k, v in batch.items() if v is None],
-                  "arrays": [[k, str(a.dtype), list(a.shape)] for k, a in arrays.items()]}
+        arrays = {k: np.ascontiguousarray(v) for k, v in (batch or {}).items() if v is not None}
+        header = {"extra": extra or {}, "none": [k for k, v in (batch or {}).items() if v is None],
+                  "no_batch": batch is None, "arrays": [[k, str(a.dtype), list(a.shape)] for k, a in arrays.items()]}
         head = json.dumps(header).encode()
         payload = len(head).to_bytes(8, "little") + head + b"".join(a.tobytes() for a in arrays.values())
     data = _broadcast_bytes(payload)
     n = int.from_bytes(data[:8], "little")
     header, offset, out = json.loads(data[8:8 + n]), 8 + n, {}
+    if header["no_batch"]:
+        return None, header["extra"]
     for name, dtype, shape in header["arrays"]:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         out[name] = np.frombuffer(data, dtype, count=int(np.prod(shape, dtype=np.int64)), offset=offset).reshape(shape)

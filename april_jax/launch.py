@@ -4,13 +4,21 @@
 
 Each process runs `python -m april_jax.train` with the arguments given (everything but the
 launcher's own flags) and the standard `jax.distributed` environment: JAX_COORDINATOR_ADDRESS
-(127.0.0.1 and a free port), JAX_NUM_PROCESSES, JAX_PROCESS_ID. On CPU each process gets
-`--cpu-devices-per-process` devices (XLA_FLAGS --xla_force_host_platform_device_count) and
-gloo collectives, so `--nprocs 2 --cpu-devices-per-process 4` forms the same 8-device mesh as one
-process with 8 devices. Process 0's output streams to this terminal; the others' goes to
+(127.0.0.1 and a free port), JAX_NUM_PROCESSES, JAX_PROCESS_ID, and JAX_COORDINATOR_BIND_ADDRESS
+(the same loopback address: JAX's coordinator would otherwise listen on every interface). On
+CPU each process gets `--cpu-devices-per-process` devices (XLA_FLAGS
+--xla_force_host_platform_device_count) and gloo collectives, so `--nprocs 2
+--cpu-devices-per-process 4` forms the same 8-device mesh as one process with 8 devices. Process 0's output streams to this terminal; the others' goes to
 LOG_DIR/process_I.log (shown when that process fails). When any process fails, every other one
 is stopped and the launcher exits with the failed process's code (128 + signal when killed).
-On a cluster, run `python -m april_jax.train` once per host instead (README: SLURM, Kubernetes).
+
+SIGTERM / SIGINT (a scheduler's preemption, Ctrl-C) is passed on to every process (and its
+reward workers): the trainers agree on a step, write its checkpoint and exit with 128 + the
+signal; the launcher waits for them (up to --stop-grace-s, then SIGKILL) and exits with the same
+code. A second signal SIGKILLs them at once (the last complete checkpoint stays intact).
+
+On a cluster, run `python -m april_jax.train` once per host instead (README: SLURM, Kubernetes),
+and see april_jax/distributed.py for where the coordinator listens there.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ def free_port() -> int:
 def process_env(base: dict, index: int, nprocs: int, port: int, cpu_devices: int | None) -> dict:
     """The environment of process `index`: jax.distributed's variables, and the CPU device count."""
     env = dict(base, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(nprocs),
-               JAX_PROCESS_ID=str(index))
+               JAX_PROCESS_ID=str(index), JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
     if cpu_devices is not None:
         flags = re.sub(rf"{DEVICE_FLAG}=\S+", "", env.get("XLA_FLAGS", "")).strip()
         env["XLA_FLAGS"] = f"{flags} {DEVICE_FLAG}={cpu_devices}".strip()
@@ -49,24 +57,40 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """SIGTERM each process group still running (a trainer's reward workers included), then SIGKILL."""
+def _signal_groups(procs: list[subprocess.Popen], signum: int) -> None:
     for p in procs:
         if p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, signum)
             except ProcessLookupError:
                 pass
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0, signum: int = signal.SIGTERM,
+          give_up=lambda: False) -> None:
+    """Send `signum` to each process group still running (a trainer's reward workers included),
+    then SIGKILL what is left after `grace_s`, or as soon as `give_up()` says so."""
+    _signal_groups(procs, signum)
     deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not give_up():
+        time.sleep(0.1)
+    _signal_groups(procs, signal.SIGKILL)
     for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        p.wait()
+
+
+def _stopped_code(procs: list[subprocess.Popen], signum: int, log_dir: Path) -> int:
+    """128 + signum when every process stopped as asked (each saved and exited with that code);
+    otherwise the first other code, with the line that says which process."""
+    wanted = 128 + signum
+    for i, p in enumerate(procs):
+        code = exit_code(p.returncode)
+        if code != wanted:
+            where = f" ({log_dir / f'process_{i}.log'})" if i else ""
+            print(f"launch: stopping on {signal.Signals(signum).name}: process {i} exited with {code}{where}",
+                  file=sys.stderr)
+            return code
+    return wanted
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -76,8 +100,11 @@ def _tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
+STOP_GRACE_S = 300.0  # a trainer stopping on SIGTERM writes a checkpoint: an 8B model's takes minutes
+
+
 def launch(nprocs: int, args: list[str], *, cpu_devices: int | None = None, log_dir: Path | None = None,
-           module: str = "april_jax.train", port: int | None = None) -> int:
+           module: str = "april_jax.train", port: int | None = None, stop_grace_s: float = STOP_GRACE_S) -> int:
     """Start the processes, wait for them; the job's exit code (0 only if every process exited 0)."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="april_launch_"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -86,7 +113,7 @@ def launch(nprocs: int, args: list[str], *, cpu_devices: int | None = None, log_
     stopping = []
 
     def on_signal(signum, _frame):  # Ctrl-C / a scheduler's SIGTERM: stop the whole job
-        stopping.append(signum)
+        stopping.append(signum)  # the first: passed on; a second: SIGKILL now
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -99,8 +126,9 @@ def launch(nprocs: int, args: list[str], *, cpu_devices: int | None = None, log_
                                           stderr=subprocess.STDOUT if out else None, start_new_session=True))
         while True:
             if stopping:
-                _stop(procs)
-                return 128 + stopping[0]
+                signum = stopping[0]
+                _stop(procs, stop_grace_s, signum, give_up=lambda: len(stopping) > 1)
+                return _stopped_code(procs, signum, log_dir)
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -132,13 +160,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU devices each process sees (XLA_FLAGS); default: XLA_FLAGS as set")
     parser.add_argument("--log-dir", default=None, help="where processes 1..N-1 log (default: a new temp dir)")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument("--stop-grace-s", type=float, default=STOP_GRACE_S,
+                        help="on SIGTERM/SIGINT, how long the processes may take to checkpoint and exit before "
+                             "SIGKILL (default %(default)s)")
     ours, rest = parser.parse_known_args(argv)
     if ours.nprocs < 1:
         parser.error(f"--nprocs={ours.nprocs}: must be >= 1")
+    if ours.stop_grace_s < 0:
+        parser.error(f"--stop-grace-s={ours.stop_grace_s}: must be >= 0")
     if ours.cpu_devices_per_process is not None and ours.cpu_devices_per_process < 1:
         parser.error(f"--cpu-devices-per-process={ours.cpu_devices_per_process}: must be >= 1")
     raise SystemExit(launch(ours.nprocs, rest, cpu_devices=ours.cpu_devices_per_process, log_dir=ours.log_dir,
-                            port=ours.port))
+                            port=ours.port, stop_grace_s=ours.stop_grace_s))
 
 
 if __name__ == "__main__":

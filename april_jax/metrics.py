@@ -104,8 +104,44 @@ class MetricsWriter:
         self._sinks = []
 
 
-def read_metrics(workdir) -> list[dict]:
+class MetricsError(ValueError):
+    """A metrics.jsonl line that is not a JSON object (not the last one: that one may be torn)."""
+
+
+def read_metrics(workdir, torn: list | None = None) -> list[dict]:
+    """The rows of WORKDIR/metrics.jsonl. A last line that does not parse was torn by a kill
+    mid-write: it is left out (and its line number appended to `torn`); a bad line before it
+    raises MetricsError naming the file and line."""
     path = Path(workdir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    rows = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not an object with an integer step")
+        except ValueError as e:
+            if n == len(lines) - 1:
+                if torn is not None:
+                    torn.append(i)
+                break
+            raise MetricsError(f"{path}:{i}: not a metrics record ({str(e).splitlines()[0][:80]})") from None
+        rows.append(row)
+    return rows
+
+
+def truncate_log(file: Path, keep_below: int) -> None:
+    """Keep only lines of steps < keep_below: a resumed run re-does later steps. A torn last line
+    (the process was killed mid-write) is dropped."""
+    if not file.exists():
+        return
+    kept = []
+    for line in file.read_text(errors="replace").splitlines():
+        try:
+            if json.loads(line)["step"] < keep_below:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    file.write_text("".join(l + "\n" for l in kept))

@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from april_jax.metrics import read_metrics
+from april_jax.metrics import MetricsError, read_metrics
 
 # (title, y label, [(metric, legend suffix)], smoothed?, y limits)
 PANELS = [
@@ -149,15 +149,43 @@ def main(argv=None) -> None:
         parser.error(f"--labels has {len(labels)} names for {len(args.runs)} runs")
     runs = []
     for run, label in zip(args.runs, labels):
-        rows = read_metrics(run)
+        torn = []
+        try:
+            rows = read_metrics(run, torn)
+        except MetricsError as e:
+            _fail(str(e))
+        if torn:  # a run killed mid-write: its complete lines are still worth a plot
+            print(f"warning: {Path(run) / 'metrics.jsonl'}:{torn[0]}: incomplete last line (the run was stopped "
+                  f"while writing it); plotting the {len(rows)} complete steps", file=sys.stderr)
         if not rows:
-            print(f"error: {Path(run) / 'metrics.jsonl'}: no metrics", file=sys.stderr)
-            raise SystemExit(2)
+            _fail(f"{Path(run) / 'metrics.jsonl'}: no metrics")
         sync = is_sync(Path(run))
         runs.append((f"{label} (sync)" if sync and "sync" not in label else label, rows, sync))
-    out = Path(args.out) if args.out else Path(args.runs[0]) / "plots" / "dashboard.png"
-    draw(runs, out, args.smooth)
+    out = output_path(args.out, Path(args.runs[0]))
+    try:
+        draw(runs, out, args.smooth)
+    except OSError as e:
+        _fail(f"{out}: {e.strerror or e}")
     print(f"wrote {out}")
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def output_path(given: str | None, first_run: Path) -> Path:
+    """Where the PNG goes: --out as given when it names a .png file; a folder (existing, or written
+    with a trailing /) gets dashboard.png inside; another suffix, or none, is an error, since
+    matplotlib would pick the format from it or append its own and the printed name would lie."""
+    if not given:
+        return first_run / "plots" / "dashboard.png"
+    out = Path(given)
+    if out.is_dir() or given.endswith(("/", "\\")):
+        return out / "dashboard.png"
+    if out.suffix.lower() != ".png":
+        _fail(f"--out {given}: expected a .png file or a folder")
+    return out
 
 
 if __name__ == "__main__":

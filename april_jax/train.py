@@ -3,14 +3,22 @@
 One loop: APRIL rollout -> rewards -> advantages -> sharded policy update -> weights to the
 engine -> metrics -> checkpoint. Restarting with the same workdir resumes from the latest
 checkpoint (params, optimiser state, step, version, RNG, data position, APRIL partial buffer).
+
+SIGTERM / SIGINT (preemption, Ctrl-C): the step in progress is abandoned if its rollout is not
+done yet (else it finishes), a checkpoint of the last finished step is written (unless one
+exists), the engine and the reward workers are stopped, one line says where the checkpoint is,
+and the exit code is 128 + the signal (143 / 130: a scheduler then retries the job, and rerunning
+the same command resumes as if nothing had happened).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,6 +28,7 @@ import numpy as np
 from april_jax import config as config_lib
 from april_jax import distributed
 from april_jax.config import ConfigError, fail
+from april_jax.errors import Stopped
 from april_jax.rollout.engine import EngineProtocol
 from april_jax.task import Task, build_task
 
@@ -54,10 +63,18 @@ def load_config(argv: list[str]):
                                     sys_argv=argv)
     try:
         fv(argv)
+    except SystemExit as e:  # get_config() called sys.exit: nothing to train, but not a success either
+        raise ConfigError(f"config file {file}: get_config() called sys.exit({e.code!r}) instead of returning "
+                          f"a config") from None
     except (flags.Error, KeyError, TypeError, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     except Exception as e:  # the config file's own code failed (get_config raised): name the file
         raise ConfigError(f"config file {file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    from ml_collections import ConfigDict
+
+    if not isinstance(fv.config, ConfigDict):
+        raise ConfigError(f"config file {file}: get_config() returned {type(fv.config).__name__}, not a config "
+                          f"(return april_jax.config.default_config() with your changes)")
     c = config_lib.validate(fv.config)
     from april_jax import assets
 
@@ -165,21 +182,6 @@ def evaluate(engine, prompts, scorer, c, stop_ids, version: int) -> dict:
             "eval/version": version}
 
 
-def _truncate_log(file: Path, keep_below: int) -> None:
-    """Keep only lines of steps < keep_below: a resumed run re-does later steps. A torn last line
-    (the process was killed mid-write) is dropped."""
-    if not file.exists():
-        return
-    kept = []
-    for line in file.read_text(errors="replace").splitlines():
-        try:
-            if json.loads(line)["step"] < keep_below:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    file.write_text("".join(l + "\n" for l in kept))
-
-
 class TrainingError(RuntimeError):
     """The run cannot go on (it diverged, or every reward failed); the message says why and what was kept."""
 
@@ -204,27 +206,28 @@ def check_vocab(c, task_vocab: int | None) -> None:
                           f"{model_vocab}: set data.tokenizer_path to the model's tokenizer")
 
 
-def run(c) -> dict:
+def run(c, stop: distributed.StopSignal | None = None) -> dict:
     from april_jax import compile_cache
-    from april_jax.workdir_lock import WorkdirLock
+    from april_jax.workdir_lock import WorkdirLock, check_workdir
 
     started = time.perf_counter()
+    stop = stop or distributed.StopSignal()
+    workdir = check_workdir(c.workdir)  # before anything is loaded
     cache = compile_cache.enable(c.train.compile_cache_dir)  # before the first compile
     if cache:
         print(f"XLA compilation cache: {cache} (--config.train.compile_cache_dir= turns it off)", file=sys.stderr)
     distributed.initialize()  # several processes: the mesh then spans every process's devices
-    workdir = Path(c.workdir)
     lock = WorkdirLock(workdir) if distributed.is_main() else None  # processes share one workdir
     if lock is not None and workdir.exists():
         lock.acquire()  # a second trainer stops here, before loading anything
     try:
-        return _run(c, workdir, lock, started)
+        return _run(c, workdir, lock, started, stop)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(c, workdir: Path, lock, started: float) -> dict:
+def _run(c, workdir: Path, lock, started: float, stop) -> dict:
     from april_jax.models import sharding
 
     mesh = sharding.make_mesh(c.mesh.to_dict())
@@ -232,7 +235,7 @@ def _run(c, workdir: Path, lock, started: float) -> dict:
     task = build_task(c, c.model.path or None)
     with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse, however the run ends
         cleanup.callback(task.reward.close)
-        return _train(c, workdir, lock, mesh, task, cleanup, started)
+        return _train(c, workdir, lock, mesh, task, cleanup, started, stop)
 
 
 class _MarkFailedRewards:
@@ -267,12 +270,12 @@ class _MarkedScores:
         return self._result
 
 
-def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) -> dict:
+def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float, stop) -> dict:
     import jax
 
     from april_jax import compile_clock
-    from april_jax.checkpointing import Checkpointer
-    from april_jax.metrics import MetricsWriter
+    from april_jax.checkpointing import Checkpointer, frozen_copy
+    from april_jax.metrics import MetricsWriter, truncate_log
     from april_jax.rl.advantages import overlong_penalty
     from april_jax.rl.batch import groups_to_batch
     from april_jax.rl.rewards import GroupScorer
@@ -287,13 +290,15 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
         lock.acquire()
     workdir.mkdir(parents=True, exist_ok=True)
     main = distributed.is_main()  # process 0 owns the rollout and the workdir's files (distributed.py)
-    if main:
-        (workdir / "config.json").write_text(c.to_json(indent=2))
     max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
     ckpt = Checkpointer(workdir / "checkpoints", keep=c.checkpoint.keep)
     cleanup.callback(ckpt.close)
     latest = ckpt.latest_step()
-    if latest is None and c.warmup.steps:  # fresh run: supervised warm-up before RL on the task's examples
+    ckpt.check_resumable(json.loads(c.to_json()), model.cfg.to_hf_config())
+    if main:
+        (workdir / "config.json").write_text(c.to_json(indent=2))
+    warmed_up = latest is None and bool(c.warmup.steps)
+    if warmed_up:  # fresh run: supervised warm-up before RL on the task's examples
         from april_jax.rl import sft
 
         examples = task.warmup_examples(c.seed, 20_000)
@@ -326,7 +331,7 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
               f"{len(april.buffer)} buffered groups)", file=sys.stderr)
     for name in ("metrics.jsonl", "delivered.jsonl"):
         if main:
-            _truncate_log(workdir / name, start)
+            truncate_log(workdir / name, start)
 
     writer = engine = None
     if main:
@@ -342,24 +347,51 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
     if engine is not None:
         engine.set_rng_state(rng.get("engine"))
     last, skipped_in_a_row, save_due, last_good = {}, 0, False, ckpt.latest_step()
+
+    def state(done_steps: int, rollout=april) -> dict:
+        """The checkpoint meta after `done_steps` steps (APRIL's state from `rollout`, if given)."""
+        rng = {"engine": engine.rng_state() if engine is not None else None,  # None: not process 0
+               "reward_failures": reward.failures, "reward_timeouts": reward.timeouts}
+        return {"step": done_steps, "version": version, "skipped_steps": trainer.skipped_steps,
+                "data": train_prompts.state_dict(), "rng": rng,
+                "april": rollout.state_dict() if rollout is not None else None,
+                "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
+
+    def later(done_steps: int):
+        """state(done_steps) for a stop signal's save, should one come: all but APRIL's state now;
+        APRIL's (the large part: the partial buffer's tokens) as a cheap copy, made a dict only if asked."""
+        meta, frozen = state(done_steps, None), frozen_copy(april)
+        return lambda: dict(meta, april=frozen.state_dict())
+
+    # the last finished step's checkpoint meta, when asked (None: nothing a fresh run could not redo)
+    finished = later(start) if warmed_up or start == latest else None
     compile_clock.install()
     for step in range(start, c.train.total_steps):
         t0, compile0 = time.perf_counter(), compile_clock.seconds()
         groups, metrics, batch, shared = [], {}, None, {}
-        if engine is not None:  # process 0
+        if engine is not None and stop.signum is None:  # process 0
             # a fresh run's step 0 scores the policy it starts from (the baseline RL improves on); later
             # evals score the policy after their step's update: `eval/version` says which
             start_eval = evaluate(engine, eval_prompts, eval_scorer, c, stop_ids, version) if step == 0 and c.eval.every else {}
-            groups, metrics = april.collect(engine, version)
+            with contextlib.suppress(distributed.Abandoned):  # a signal gives the rollout up
+                groups, metrics = april.collect(stop.watching(engine), version)
             metrics.update(start_eval)
             t1, compile1 = time.perf_counter(), compile_clock.seconds()
-            if groups:
-                batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
-                shared["rewards_failed"] = all(s.metadata.get("reward_failed") for g in groups for s in g.samples)
-            engine.sleep()
+            if stop.signum is None:  # a signal during the rollout (a reward worker it killed?) abandons it too
+                if groups:
+                    batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
+                    shared["rewards_failed"] = all(s.metadata.get("reward_failed") for g in groups for s in g.samples)
+                engine.sleep()
         else:
             t1, compile1 = t0, compile0
+        if engine is not None:
+            shared["stop"] = stop.signum  # process 0 decides; every process gets it with the batch
         batch, shared = distributed.broadcast_batch(batch, shared)  # the other processes wait here
+        if shared.get("stop"):
+            stop.signum = shared["stop"]
+            # every process is here at the same step: the collective save of the last finished one
+            done = ckpt.write_now(finished and finished(), trainer.params, trainer.opt_state, last_good)
+            raise Stopped.after(stop.signum, done, c.train.total_steps, ckpt.directory)
         if batch is None:
             raise ConfigError("the dataset ran out of prompts before the step's groups were complete")
         rewards_failed = shared["rewards_failed"]
@@ -389,16 +421,12 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
             with open(workdir / "delivered.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "uids": [g.prompt.uid for g in groups]}) + "\n")
         skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+        finished = later(step + 1)
         # A checkpoint is written only after a step that trained: a resume then redoes the skipped ones.
         save_due = save_due or (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.total_steps
         if save_due and not skipped:
             t4 = time.perf_counter()
-            rng = {"engine": engine.rng_state() if engine is not None else None,  # None: not process 0
-                   "reward_failures": reward.failures, "reward_timeouts": reward.timeouts}
-            meta = {"step": step + 1, "version": version, "skipped_steps": trainer.skipped_steps,
-                    "data": train_prompts.state_dict(), "april": april.state_dict(), "rng": rng,
-                    "config": json.loads(c.to_json()), "model_config": trainer.model().cfg.to_hf_config()}
-            ckpt.save(step + 1, trainer.params, trainer.opt_state, meta)
+            ckpt.save(step + 1, trainer.params, trainer.opt_state, state(step + 1))
             if hasattr(engine, "release_held"):  # a run resumed from here holds no KV: neither does this one
                 engine.release_held()
             metrics["time/ckpt_s"] = time.perf_counter() - t4
@@ -407,15 +435,18 @@ def _train(c, workdir: Path, lock, mesh, task: Task, cleanup, started: float) ->
         if writer is not None:
             writer.write(step, metrics)
         last = metrics
-        if skipped_in_a_row >= c.train.max_skipped_steps:
+        if skipped_in_a_row >= c.train.max_skipped_steps or (skipped and step + 1 == c.train.total_steps):
             why = ("every reward failed (an exception, NaN or a timeout)" if rewards_failed else
                    f"non-finite loss, gradient or updated parameters (loss {metrics.get('train/loss')}, "
                    f"grad norm {metrics.get('train/grad_norm')})")
             kept = f"{ckpt.directory / str(last_good)}" if last_good is not None else "none written"
-            raise TrainingError(f"stopped after {skipped_in_a_row} skipped steps in a row "
-                                f"(train.max_skipped_steps={c.train.max_skipped_steps}) at step {step}: {why}; "
-                                f"last good checkpoint: {kept}")
-    return last
+            if skipped_in_a_row >= c.train.max_skipped_steps:
+                raise TrainingError(f"stopped after {skipped_in_a_row} skipped steps in a row "
+                                    f"(train.max_skipped_steps={c.train.max_skipped_steps}) at step {step}: {why}; "
+                                    f"last good checkpoint: {kept}")
+            raise TrainingError(f"the run ended on {skipped_in_a_row} skipped step(s) (the last: step {step}): {why}; "
+                                f"last good checkpoint: {kept} (rerun the same command to redo the skipped steps)")
+    return last  # a signal during the last step's update: it finished, its checkpoint is written, done
 
 
 USAGE = """usage: python -m april_jax.train --config FILE [--config.KEY=VALUE ...]
@@ -447,19 +478,41 @@ def main(argv: list[str] | None = None) -> None:
             fail(str(e))
         print((USAGE + "\n" if not prefix else "") + keys)
         return
+    stop = distributed.StopSignal().install()  # from here on a signal only asks the loop to stop
+    c = None
     try:
         c = load_config(argv)
-        run(c)
+        run(c, stop)
+    except Stopped as e:
+        print(e.line, file=sys.stderr)
+        raise SystemExit(e.code) from None
     except ConfigError as e:
         fail(str(e))
-    except (FileNotFoundError, ValueError, TrainingError) as e:
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):  # a path in the config: the message names it
+            fail(str(e))
+        if e.errno not in DISK_ERRORS:
+            raise
+        # a full disk, or a folder the run cannot write: the checkpoints written before are intact
+        fail(f"{e.filename or (c and c.workdir) or 'writing the run'}: {e.strerror or e}{RERUN}")
+    except (ValueError, TrainingError) as e:
         from april_jax.data.dataset import DataError
         from april_jax.data.tokenizer import TokenizerError
         from april_jax.errors import CheckpointError
 
-        if isinstance(e, (DataError, CheckpointError, TokenizerError, FileNotFoundError, TrainingError)):
+        if isinstance(e, (DataError, CheckpointError, TokenizerError, TrainingError)):
             fail(str(e))
+        if DISK_FULL_TEXT in str(e):  # orbax reports tensorstore's write errors as ValueError
+            where = re.search(r"/[^\"'\s]*/checkpoints/\d+", str(e))
+            fail(f"writing checkpoint {where.group(0) if where else ''}: {DISK_FULL_TEXT}{RERUN}")
         raise
+    finally:
+        stop.uninstall()
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+DISK_FULL_TEXT = "No space left on device"
+RERUN = " (the checkpoints before it are intact: fix this and rerun the same command to resume)"
 
 
 if __name__ == "__main__":

@@ -39,3 +39,20 @@ class WorkdirLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def check_workdir(value: str) -> Path:
+    """The run's folder, checked before anything is loaded: an empty value (an unset shell
+    variable) would train in the current folder and overwrite whatever config.json is there."""
+    if not str(value).strip():
+        raise ConfigError("config key 'workdir' is empty (an unset shell variable?): name the run's own folder, "
+                          "e.g. --config.workdir=runs/NAME")
+    workdir = Path(value)
+    for folder in reversed([workdir, *workdir.parents]):  # from the root down: the first file names the problem
+        if folder.exists() and not folder.is_dir():
+            where = "is a file" if folder == workdir else f"is under {folder}, which is a file"
+            raise ConfigError(f"config key 'workdir'={value!r} {where}, not a folder")
+    nearest = next(p for p in [workdir, *workdir.parents] if p.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"config key 'workdir'={value!r}: {nearest} is not writable")
+    return workdir

@@ -1,0 +1,164 @@
+"""SIGTERM / SIGINT through the real CLI: the run writes the last finished step's checkpoint, stops
+its engine and exits with 128 + the signal and one line; rerunning the same command continues as if
+nothing had happened (metrics and params equal to an uninterrupted run's).
+
+One chain of runs on a copy of one workdir: SIGINT while the trainer starts (the warm-up's result is
+saved as checkpoint 0), SIGTERM to the whole process group in the middle of a step, then a resume to
+the end, compared with one uninterrupted run. `rollout.hold_aborted_kv` is off: a held KV cache is
+engine memory that no checkpoint keeps (a resumed step re-prefills those responses), so with it a
+resume between checkpoints is equal in distribution, not bit for bit. Then SIGTERM under
+`python -m april_jax.launch --nprocs 2`: every process stops at one step and saves it together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from april_jax.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+ARGS = ["--config", str(ROOT / "configs/tiny.py"), "--config.warmup.steps=2", "--config.rollout.rollout_batch_size=2",
+        "--config.rollout.over_sampling_batch_size=4", "--config.rollout.n_samples_per_prompt=2",
+        "--config.rollout.max_num_seqs=8", "--config.train.micro_batch_size=4", "--config.eval.every=0",
+        "--config.log.progress=false", "--config.log.tensorboard=false", "--config.rollout.hold_aborted_kv=false",
+        f"--config.train.total_steps={STEPS}", "--config.checkpoint.every=100"]  # only the last step saves by itself
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+LINE = re.compile(r"stopped by (SIG\w+) after step (\d+) of (\d+): checkpoint at (\S+); rerun the same command to resume")
+
+
+def wall_clock(key: str) -> bool:
+    return key.startswith("time/") or key.endswith("_s")
+
+
+def start(cmd: list[str], log: Path, env=ENV) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                            start_new_session=True)
+
+
+def wait_for(proc: subprocess.Popen, ready, log: Path, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, f"exited with {proc.returncode} too soon:\n{log.read_text()[-3000:]}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> tuple[int, str]:
+    code = proc.wait(timeout=timeout)
+    with pytest.raises(ProcessLookupError):  # nothing of the run's process group is left
+        os.killpg(proc.pid, 0)
+    return code, log.read_text()
+
+
+def assert_stopped(code: int, err: str, signum: int, workdir: Path) -> int:
+    """Exit 128 + signum, no traceback, the last line names the signal and the checkpoint; the step saved."""
+    assert code == 128 + signum, (code, err[-3000:])
+    assert "Traceback" not in err and "error:" not in err, err[-3000:]
+    match = LINE.fullmatch(err.strip().splitlines()[-1])
+    assert match, err[-3000:]
+    name, done, total, where = match.groups()
+    assert name == signal.Signals(signum).name and total == str(STEPS)
+    assert Path(where) == workdir / "checkpoints" / done and (Path(where) / "commit_success.txt").exists()
+    return int(done)
+
+
+def restore_params(step_dir: Path) -> dict:
+    import jax
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    meta = checkpointer.metadata(step_dir / "params")
+    tree = getattr(meta, "item_metadata", meta)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+    restored = checkpointer.restore(step_dir / "params", target)
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+
+
+def train(workdir: Path) -> list[str]:
+    return [sys.executable, "-m", "april_jax.train", *ARGS, f"--config.workdir={workdir}"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    proc = subprocess.run(train(workdir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_signals_save_the_last_finished_step_and_the_resume_is_identical(uninterrupted, tmp_path):
+    workdir, log = tmp_path / "run", tmp_path / "stderr"
+
+    # SIGINT (Ctrl-C) as soon as the trainer runs: it finishes its warm-up, keeps it as checkpoint 0
+    proc = start(train(workdir), log)
+    wait_for(proc, lambda: "XLA compilation cache:" in log.read_text(), log)
+    proc.send_signal(signal.SIGINT)
+    code, err = finish(proc, log)
+    assert assert_stopped(code, err, signal.SIGINT, workdir) == 0
+    assert read_metrics(workdir) == []
+
+    # SIGTERM to the whole process group (what SLURM does) while step 2 runs: steps 0-1 kept
+    proc = start(train(workdir), log)
+    wait_for(proc, lambda: len(read_metrics(workdir)) >= 1, log)
+    os.killpg(proc.pid, signal.SIGTERM)
+    code, err = finish(proc, log)
+    assert "resumed from" in err
+    done = assert_stopped(code, err, signal.SIGTERM, workdir)
+    assert 1 <= done < STEPS and [r["step"] for r in read_metrics(workdir)] == list(range(done)), \
+        "at most the step in progress is lost, and nothing written for it"
+
+    code = subprocess.run(train(workdir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert code.returncode == 0, code.stderr[-3000:]
+    got, want = read_metrics(workdir), read_metrics(uninterrupted)
+    assert [r["step"] for r in got] == list(range(STEPS))
+    strip = lambda r: {k: v for k, v in r.items() if not wall_clock(k)}
+    for a, b in zip(got, want):
+        assert strip(a) == strip(b), f"step {a['step']} differs after the stops"
+    assert (workdir / "delivered.jsonl").read_text() == (uninterrupted / "delivered.jsonl").read_text()
+    a, b = restore_params(workdir / "checkpoints" / str(STEPS)), restore_params(uninterrupted / "checkpoints" / str(STEPS))
+    assert a.keys() == b.keys() and len(a) > 5
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_sigterm_under_launch_stops_every_process_at_one_step(tmp_path):
+    """2 processes x 2 CPU devices: the launcher passes SIGTERM on; both processes stop after the
+    same step (each prints the same line), save it together (one complete orbax checkpoint) and exit
+    143, and so does the launcher. (A 2-process checkpoint resuming: tests/test_multiprocess.py.)"""
+    workdir, log = tmp_path / "run", tmp_path / "stderr"
+    cmd = [sys.executable, "-m", "april_jax.launch", "--nprocs", "2", "--cpu-devices-per-process", "2",
+           "--log-dir", str(tmp_path / "logs"), *train(workdir)[3:], "--config.rollout.engine_devices=2"]
+    proc = start(cmd, log, dict(ENV, XLA_FLAGS=""))
+    wait_for(proc, lambda: len(read_metrics(workdir)) >= 1, log)
+    proc.send_signal(signal.SIGTERM)  # to the launcher only: it passes the signal on
+    code, err = finish(proc, log)
+    done = assert_stopped(code, err, signal.SIGTERM, workdir)
+    other = (tmp_path / "logs" / "process_1.log").read_text()
+    assert "Traceback" not in other and other.strip().splitlines()[-1] == err.strip().splitlines()[-1], other[-3000:]
+    meta = json.loads((workdir / "checkpoints" / str(done) / "meta" / "metadata").read_text())
+    assert meta["step"] == done and len(read_metrics(workdir)) == done
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(done)]
+
+
+def test_the_coordinator_listens_on_loopback_only(tmp_path):
+    """Under launch, JAX's coordinator (process 0, the real service) binds 127.0.0.1, not every
+    interface (JAX's default, [::]:PORT)."""
+    env = dict(ENV, PROBE_DIR=str(tmp_path), PROBE_MODE="listen", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.launch import launch; "
+                           "sys.exit(launch(2, [], cpu_devices=1, module='launch_probe'))"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sockets = json.loads((tmp_path / "listen_0").read_text())
+    assert sockets == ["127.0.0.1"], sockets
