@@ -101,7 +101,8 @@ def test_tokens_per_s_counts_what_the_engine_generated_in_the_step():
     """Responses truncated at a short budget finish together, so the surplus complete groups serve
     the next steps from the buffer: those generate nothing and report 0 tokens/s (not delivered
     tokens over ~0 s); the others report the engine's new tokens over the step's engine time."""
-    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=8)
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=8,
+                        refill="groups", inflight="over_sampling")  # surplus groups: the paper's over-sampling
     april, engine = April(cfg, prompts(), lambda s, p: 1.0), SimEngine(slots=16, seed=1, length_scale=1.0)
     rows = []
     for version in range(4):
