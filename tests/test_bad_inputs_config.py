@@ -220,8 +220,8 @@ def test_get_config_returning_no_config_dict_is_named(tmp_path):
     file = tmp_path / "config.py"
     for returned, kind in [("None", "NoneType"), ("{'seed': 1}", "dict")]:
         file.write_text(f"def get_config():\n    return {returned}\n")
-        with pytest.raises(ConfigError, match=rf"^config: get_config\(\) returned {kind}, not a ConfigDict \(start from "
-                                              r"april_jax.config.default_config\(\)"):
+        with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(file))}: get_config\(\) returned {kind}, "
+                                              r"not a config \(return april_jax.config.default_config\(\)"):
             load_config(["prog", "--config", str(file)])
 
 
