@@ -188,6 +188,8 @@ class April:
             if len(requests) + (new_groups + 1) * cfg.n_samples_per_prompt > self.inflight_limit(engine, progress()):
                 return False
             if cfg.refill == "members":  # new groups are not submitted yet: count their members too
+                if len(delivered) + len(scoring) >= target:
+                    return False  # enough groups finished: the step waits on rewards, not on the engine
                 return len(requests) / cfg.n_samples_per_prompt + new_groups < cfg.over_sampling_batch_size
             # A buffered group with k unfinished members counts k/n (by default): the engine keeps as
             # many requests in flight as a fresh over-sampled step would (not just 1-2 per long group).

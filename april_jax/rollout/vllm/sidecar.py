@@ -19,7 +19,7 @@ under init, forever. Here:
   (`proctree.kill_tree`: those that left the process group too), and to the rest of our group;
 - when the trainer is gone, `--owned-dir` (its weight transport folder in /dev/shm: a full copy
   of the weights) is removed as well: nobody else would;
-- every RECORD_EVERY_S, the /dev/shm files the tree maps are listed in `--shm-record`: after a
+- at doubling intervals (2 s up to a minute), the /dev/shm files the tree maps are listed in `--shm-record`: after a
   SIGKILL of the whole tree at once (an operator's `kill -9 -PGID`, the OOM killer of a cgroup)
   nothing of it is left to unlink them, and the launcher does it from the list;
 - the server runs with umask 077, so the IPC sockets and shared memory vLLM makes for its own
@@ -49,7 +49,11 @@ from april_jax.rollout.vllm import proctree
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 POLL_S = 0.2
+# Reading a process's /proc maps takes its memory-map lock and stalls its page faults (a serving
+# vLLM slowed visibly at one read every 2 s): the interval doubles from 2 s up to a minute, since
+# vLLM makes its shared memory while it starts.
 RECORD_EVERY_S = 2.0
+RECORD_EVERY_MAX_S = 64.0
 OWNED_DIR_PREFIX = "april_jax_weights_"  # the only folders --owned-dir may remove
 
 
@@ -101,7 +105,7 @@ def _drop_owned_dir(path: str | None) -> None:
 
 def _record_shm(path: str, token: str, known: set[int]) -> set[int]:
     """Keep `path` listing what the tree maps in /dev/shm (one read of each process's maps every
-    RECORD_EVERY_S): if the whole tree is SIGKILLed at once, nothing of it is left to unlink its
+    record interval): if the whole tree is SIGKILLed at once, nothing of it is left to unlink its
     shared memory, and the launcher does it from this list. Returns every inode seen so far."""
     seen = known | proctree.shm_inodes(proctree.tree_pids(token))
     if seen != known:
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen(cmd)  # same process group as us
     server_code = None
     shm: set[int] = set()
-    next_record = time.time()
+    next_record, record_every = time.time(), RECORD_EVERY_S
     while not stop:
         if os.getppid() != args.parent:
             stop.append(f"trainer {args.parent} is gone")
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.shm_record and time.time() >= next_record:
                 shm = _record_shm(args.shm_record, token, shm)
-                next_record = time.time() + RECORD_EVERY_S
+                next_record = time.time() + record_every
+                record_every = min(2 * record_every, RECORD_EVERY_MAX_S)
             time.sleep(POLL_S)
     _say(f"{stop[0]}: stopping the server and every process it started")
     shm |= proctree.shm_inodes(proctree.tree_pids(token))  # before vLLM's processes go: what they share
