@@ -1,0 +1,48 @@
+"""A real pretrained model learns on CPU: SmolLM2-135M-Instruct on small arithmetic word problems.
+
+    python -m april_jax.train --config configs/smollm2_rl.py
+
+"Mia has 11 pencils and gets 2 more. How many pencils does Mia have now?" (sums, differences,
+small products and two-step problems; `april_jax/data/word_problems.py`, generated once with a
+fixed seed). The reward pays the response's last number when it is the answer. At step 0 the model
+answers about half greedily: it often states the right number, then keeps talking and ends on another
+one, or rambles to the budget, so response lengths run from a few tokens to the budget (a long tail,
+which APRIL cuts). GRPO teaches it to end on its answer within a few steps. Greedy accuracy on 100
+held-out problems (no arithmetic combination of them is trained on) is printed before step 0 and
+every `eval.every` steps.
+"""
+
+from april_jax.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.workdir = "runs/smollm2_rl"
+    c.model.path = "asset:smollm2-135m-instruct"
+    c.data.task = "file"
+    c.data.train_path = "asset:word-problems-train"
+    c.data.eval_path = "asset:word-problems-eval"
+    c.data.max_prompt_len = 96
+    c.reward.fn = "april_jax.data.word_problems:reward"
+    c.reward.workers = 1  # the reward is a regex: one process keeps up
+
+    c.rollout.engine = "jax"
+    c.rollout.rollout_batch_size = 4
+    c.rollout.n_samples_per_prompt = 8
+    c.rollout.over_sampling_batch_size = 8
+    c.rollout.max_response_len = 64
+    c.rollout.temperature = 1.0
+    c.rollout.max_num_seqs = 64
+    c.rollout.smallest_prefill_bucket = 64  # prompts are 50-70 tokens: one or two prefill programs
+
+    c.optimizer.lr = 1e-5
+    c.optimizer.max_grad_norm = 1.0
+    c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
+    c.train.total_steps = 15
+    c.train.micro_batch_size = 16
+    c.checkpoint.every = 5
+    c.eval.every = 5
+    c.eval.num_prompts = 100
+    c.eval.n_samples = 1
+    c.eval.temperature = 0.0
+    return c
