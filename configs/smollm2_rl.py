@@ -22,7 +22,7 @@ def get_config():
     c.data.task = "file"
     c.data.train_path = "asset:word-problems-train"
     c.data.eval_path = "asset:word-problems-eval"
-    c.data.max_prompt_len = 96
+    c.data.max_prompt_len = 64  # the longest prompt is 60 tokens (chat template and SmolLM2 system prompt included)
     c.reward.fn = "april_jax.data.word_problems:reward"
     c.reward.workers = 1  # the reward is a regex: one process keeps up
 
@@ -31,17 +31,17 @@ def get_config():
     c.rollout.n_samples_per_prompt = 8
     c.rollout.over_sampling_batch_size = 8
     c.rollout.max_response_len = 64
-    c.rollout.temperature = 1.0
+    c.rollout.temperature = 0.5  # sampled accuracy at step 0: 3% at 1.0, 6% at 0.7 (greedy: 32%)
     c.rollout.max_num_seqs = 64
     c.rollout.smallest_prefill_bucket = 64  # prompts are 50-70 tokens: one or two prefill programs
 
     c.optimizer.lr = 1e-5
     c.optimizer.max_grad_norm = 1.0
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
-    c.train.total_steps = 15
+    c.train.total_steps = 12
     c.train.micro_batch_size = 16
-    c.checkpoint.every = 5
-    c.eval.every = 5
+    c.checkpoint.every = 4
+    c.eval.every = 4
     c.eval.num_prompts = 100
     c.eval.n_samples = 1
     c.eval.temperature = 0.0
