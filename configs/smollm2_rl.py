@@ -5,11 +5,17 @@
 "Mia has 11 pencils and gets 2 more. How many pencils does Mia have now?" (sums, differences,
 small products and two-step problems; `april_jax/data/word_problems.py`, generated once with a
 fixed seed). The reward pays the response's last number when it is the answer. At step 0 the model
-answers about half greedily: it often states the right number, then keeps talking and ends on another
-one, or rambles to the budget, so response lengths run from a few tokens to the budget (a long tail,
-which APRIL cuts). GRPO teaches it to end on its answer within a few steps. Greedy accuracy on 100
-held-out problems (no arithmetic combination of them is trained on) is printed before step 0 and
-every `eval.every` steps.
+answers 32 of the 100 held-out problems greedily: it often states the right number, then keeps
+talking and ends on another one, or rambles to the budget, so response lengths run from a few tokens
+to the budget (a long tail, which APRIL cuts). GRPO teaches it to end on its answer. Greedy accuracy
+on the 100 held-out problems (no arithmetic combination of them is trained on) is evaluated before
+step 0 and every `eval.every` steps (`eval/accuracy` in metrics.jsonl; `python -m april_jax.plot
+WORKDIR` draws it beside the training reward).
+
+Measured on the project's shared 2-core VM (load average 2-7 from other jobs, so times are upper
+bounds), seed 0: eval accuracy 0.32 -> 0.42 (step 4) -> 0.42 (step 8) -> 0.49 (step 12), mean eval
+response 51 -> 27 tokens, 16.6 minutes from start to the last checkpoint (the first step ~5 minutes
+of it: compiles and the step-0 eval).
 """
 
 from april_jax.config import default_config

@@ -1,10 +1,11 @@
 """Small arithmetic word problems for a small instruct model to learn on CPU, with a held-out split.
 
 "Mia has 11 pencils and gets 2 more. How many pencils does Mia have now?" SmolLM2-135M-Instruct
-gets about half of these right at step 0, greedily: it usually states the right sum, then often
-keeps talking and ends on another number, or wanders off (a few tokens up to the budget, a long
-tail). The reward pays the last number of the response, so what RL fixes first is consistency and
-stopping, which it learns in a few steps; the arithmetic itself is mostly within the model's reach.
+answers a third of the held-out set right at step 0, greedily (0.32 of 100): it often states the
+right sum, then keeps talking and ends on another number, or wanders off (a few tokens up to the
+budget, a long tail). The reward pays the last number of the response, so what RL fixes first is
+consistency and stopping (the mean response shortens from ~50 to ~25 tokens in a dozen steps); the
+arithmetic itself is mostly within the model's reach.
 
 Problems are one of four kinds (gets more: a + b; gives away: a - b; bags: a x b; two steps:
 a + b - c), drawn with a seeded `random.Random`. Split by arithmetic, not by wording: a problem is
