@@ -14,8 +14,8 @@ WORKDIR` draws it beside the training reward).
 
 Measured on the project's shared 2-core VM (load average 2-7 from other jobs, so times are upper
 bounds), greedy eval accuracy at steps 0 / 4 / 8 / 12:
-seed 0: 0.32 / 0.42 / 0.42 / 0.49, 16.6 minutes start to end (XLA compiles included: cold cache);
-seed 1: 0.32 / 0.46 / 0.51 / 0.52, 19.3 minutes (warm compile cache, heavier load).
+seed 0: 0.32 / 0.42 / 0.42 / 0.49, 16.6 minutes start to end (step 0, compiling most programs: 5.2 min);
+seed 1: 0.32 / 0.46 / 0.51 / 0.52, 19.3 minutes (step 0 from the compile cache: 2.1 min; heavier load).
 """
 
 from april_jax.config import default_config
