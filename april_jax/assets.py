@@ -109,8 +109,23 @@ def gsm_symbolic_train() -> Path:
     return gsm_symbolic.write_train_set(out, cache_dir() / "wheels", per_template=10)
 
 
+WORD_PROBLEMS_SEED = 0  # the data is fixed: `seed` varies the run, not the problems
+WORD_PROBLEMS_SIZES = {"train": 2000, "eval": 100}
+
+
+def word_problems(split: str) -> Path:
+    """jsonl of the small arithmetic word problems (`data/word_problems.py`), generated once with a
+    fixed seed; the file name carries the size and seed, so a change of either builds a new file."""
+    from april_jax.data import word_problems as generator
+
+    n = WORD_PROBLEMS_SIZES[split]
+    out = cache_dir() / f"word_problems_{split}_{n}_seed{WORD_PROBLEMS_SEED}.jsonl"
+    return out if out.exists() else generator.write(out, split, n, WORD_PROBLEMS_SEED)
+
+
 ASSETS = {"smollm2-135m-instruct": smollm2_135m_instruct, "gsm8k-test-100": gsm8k_test_100,
-          "gsm-symbolic-train": gsm_symbolic_train}
+          "gsm-symbolic-train": gsm_symbolic_train,
+          "word-problems-train": lambda: word_problems("train"), "word-problems-eval": lambda: word_problems("eval")}
 
 
 def resolve(path: str) -> str:

@@ -1,0 +1,54 @@
+"""A real pretrained model learns on CPU: SmolLM2-135M-Instruct on small arithmetic word problems.
+
+    python -m april_jax.train --config configs/smollm2_rl.py
+
+"Mia has 11 pencils and gets 2 more. How many pencils does Mia have now?" (sums, differences,
+small products and two-step problems; `april_jax/data/word_problems.py`, generated once with a
+fixed seed). The reward pays the response's last number when it is the answer. At step 0 the model
+answers 32 of the 100 held-out problems greedily: it often states the right number, then keeps
+talking and ends on another one, or rambles to the budget, so response lengths run from a few tokens
+to the budget (a long tail, which APRIL cuts). GRPO teaches it to end on its answer. Greedy accuracy
+on the 100 held-out problems (no arithmetic combination of them is trained on) is evaluated before
+step 0 and every `eval.every` steps (`eval/accuracy` in metrics.jsonl; `python -m april_jax.plot
+WORKDIR` draws it beside the training reward).
+
+Measured on the project's shared 2-core VM (load average 2-7 from other jobs, so times are upper
+bounds), greedy eval accuracy at steps 0 / 4 / 8 / 12:
+seed 0: 0.32 / 0.42 / 0.42 / 0.49, 16.6 minutes start to end (step 0, compiling most programs: 5.2 min);
+seed 1: 0.32 / 0.46 / 0.51 / 0.52, 19.3 minutes (step 0 from the compile cache: 2.1 min; heavier load).
+"""
+
+from april_jax.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.workdir = "runs/smollm2_rl"
+    c.model.path = "asset:smollm2-135m-instruct"
+    c.data.task = "file"
+    c.data.train_path = "asset:word-problems-train"
+    c.data.eval_path = "asset:word-problems-eval"
+    c.data.max_prompt_len = 64  # the longest prompt is 60 tokens (chat template and SmolLM2 system prompt included)
+    c.reward.fn = "april_jax.data.word_problems:reward"
+    c.reward.workers = 1  # the reward is a regex: one process keeps up
+
+    c.rollout.engine = "jax"
+    c.rollout.rollout_batch_size = 4
+    c.rollout.n_samples_per_prompt = 8
+    c.rollout.over_sampling_batch_size = 8
+    c.rollout.max_response_len = 64
+    c.rollout.temperature = 0.5  # sampled accuracy at step 0: 3% at 1.0, 6% at 0.7 (greedy: 32%)
+    c.rollout.max_num_seqs = 64
+    c.rollout.smallest_prefill_bucket = 64  # prompts are 50-70 tokens: one or two prefill programs
+
+    c.optimizer.lr = 1e-5
+    c.optimizer.max_grad_norm = 1.0
+    c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
+    c.train.total_steps = 12
+    c.train.micro_batch_size = 16
+    c.checkpoint.every = 4
+    c.eval.every = 4
+    c.eval.num_prompts = 100
+    c.eval.n_samples = 1
+    c.eval.temperature = 0.0
+    return c
