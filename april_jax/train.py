@@ -506,6 +506,12 @@ def main(argv: list[str] | None = None) -> None:
             where = re.search(r"/[^\"'\s]*/checkpoints/\d+", str(e))
             fail(f"writing checkpoint {where.group(0) if where else ''}: {DISK_FULL_TEXT}{RERUN}")
         raise
+    except RuntimeError as e:
+        from april_jax.rollout.vllm.server import VllmStartError
+
+        if isinstance(e, VllmStartError):  # a server that cannot start: its own reason, not our traceback
+            fail(str(e))
+        raise
     finally:
         stop.uninstall()
 

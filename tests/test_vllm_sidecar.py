@@ -8,6 +8,7 @@ mid-run, and every process of its server must be gone within seconds.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -203,6 +204,27 @@ def test_an_unusable_vllm_interpreter_is_one_line_naming_the_key_and_the_path(tm
         path.write_text("#!/bin/sh\nexit 0\n")
         path.chmod(0o755)
     assert expected in _train_with_vllm_python(tmp_path, path)
+
+
+def test_a_real_server_that_fails_to_start_is_one_line_with_vllm_s_reason_and_its_log(tmp_path):
+    """A real vLLM that refuses the model (a context longer than the model's positions) exits
+    before it is healthy: the trainer says vLLM's own reason and the log file, no traceback."""
+    from vllm_servers import vllm_python
+
+    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
+           f"--config.workdir={tmp_path / 'w'}", "--config.rollout.engine=vllm",
+           f"--config.rollout.vllm_python={vllm_python()}", "--config.rollout.max_model_len=8192",
+           "--config.warmup.steps=0", "--config.log.tensorboard=false", "--config.log.progress=false"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in stderr, stderr[-2000:]
+    errors = [l for l in stderr.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1, stderr[-2000:]
+    assert "exited with 1 before it was ready" in errors[0] and "max_model_len (8192)" in errors[0], errors[0]
+    log = re.search(r"whole log: (\S+)\)$", errors[0])
+    assert log and Path(log.group(1)).is_file() and "max_model_len" in Path(log.group(1)).read_text()
+    assert not list(Path("/dev/shm").glob(f"april_jax_weights_*_{proc.pid}-*"))
 
 
 def test_a_non_executable_or_foreign_binary_is_not_taken_for_an_interpreter(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -36,6 +37,27 @@ SIDECAR = "april_jax.rollout.vllm.sidecar"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "generation_config.json")
+
+
+class VllmStartError(RuntimeError):
+    """The server process ended, or never answered /health, before it was ready. The message is
+    one line (what happened, the log file, the log's last line); `log_tail` keeps the rest."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+def _last_error_line(tail: str, limit: int = 400) -> str:
+    """What a server log says about why it stopped, on one line: the last exception line with the
+    indented lines that continue it (pydantic puts the reason there), else the last line."""
+    lines = [line.rstrip() for line in tail.splitlines() if line.strip() and not line.startswith("[april_jax")]
+    for i in range(len(lines) - 1, -1, -1):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", lines[i]):
+            rest = [line.strip() for line in lines[i + 1:] if line.startswith(" ") and "further information" not in line]
+            text = " ".join([lines[i].strip(), *rest])
+            return text if len(text) <= limit else text[: limit - 3] + "..."
+    return lines[-1].strip()[:limit] if lines else "(empty log)"
 
 
 class VllmSetupError(ValueError):
@@ -251,11 +273,16 @@ class VllmServer:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
+                self._start_failed(f"exited with {self.proc.returncode} before it was ready")
             if healthy(self.url):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"vLLM server not healthy after {timeout:.0f}s; log tail:\n{self.log_tail()}")
+        self._start_failed(f"did not answer {self.url}/health within {timeout:.0f}s")
+
+    def _start_failed(self, what: str) -> None:
+        tail = self.log_tail(60)
+        raise VllmStartError(f"the vLLM server ({self.args.get('python', 'python')}) {what}: "
+                             f"{_last_error_line(tail)} (whole log: {self.log_path})", tail)
 
     def log_tail(self, n: int = 30) -> str:
         try:
