@@ -81,23 +81,29 @@ def test_submit_step_finishes_with_consistent_results_and_counts_them(engine):
 
 
 def test_abort_all_returns_the_partial_tokens(engine):
+    """A sidecar's streamed tokens reach the trainer a little after its server counts them: a round
+    whose abort came before any token arrived tests nothing and runs again, waiting longer."""
     eng, _ = engine
-    before = eng.stats()
     budgets = {"long0": 40, "long1": 120, "long2": 200}
-    eng.submit([Request(rid, PROMPTS[i], n, SamplingParams(1.0, seed=i)) for i, (rid, n) in enumerate(budgets.items())])
-    finished, deadline = [], time.time() + 120
-    # Step until the engine has decoded a few tokens for each (the vLLM server's own counter).
-    while eng.stats().busy_slot_steps - before.busy_slot_steps < 3 * len(budgets) and time.time() < deadline:
-        finished += eng.step()
-    out = eng.abort_all()  # also hands back requests that finished on their own meanwhile
-    assert not eng.has_unfinished()
-    assert sorted(r.request_id for r in finished + out) == sorted(budgets)
-    for r in finished + out:
-        check_result(r, budgets[r.request_id], ("stop", "length", "abort"))
-    aborted = [r for r in out if r.finish_reason == "abort"]
-    assert all(len(r) < budgets[r.request_id] for r in aborted)  # room left to resume (APRIL relies on it)
-    assert any(len(r) for r in aborted), "no partial response: nothing was generated before the abort"
-    assert eng.stats().aborted - before.aborted == len(aborted)
+    for attempt in range(3):
+        before = eng.stats()
+        ids = {f"{rid}.{attempt}": n for rid, n in budgets.items()}
+        eng.submit([Request(rid, PROMPTS[i], n, SamplingParams(1.0, seed=i)) for i, (rid, n) in enumerate(ids.items())])
+        finished, deadline = [], time.time() + 120
+        # Step until the engine has decoded a few tokens for each (the vLLM server's own counter).
+        while eng.stats().busy_slot_steps - before.busy_slot_steps < 3 * len(ids) * (1 + attempt) and time.time() < deadline:
+            finished += eng.step()
+        out = eng.abort_all()  # also hands back requests that finished on their own meanwhile
+        assert not eng.has_unfinished()
+        assert sorted(r.request_id for r in finished + out) == sorted(ids)
+        for r in finished + out:
+            check_result(r, ids[r.request_id], ("stop", "length", "abort"))
+        aborted = [r for r in out if r.finish_reason == "abort"]
+        assert all(len(r) < ids[r.request_id] for r in aborted)  # room left to resume (APRIL relies on it)
+        assert eng.stats().aborted - before.aborted == len(aborted)
+        if any(len(r) for r in aborted):
+            return
+    pytest.fail("no partial response in 3 rounds: nothing was generated before the abort")
 
 
 def test_update_weights_tags_later_tokens_with_the_new_version(engine):

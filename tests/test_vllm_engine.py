@@ -2,6 +2,8 @@
 scripts/install.sh), compared with the embedded JAX engine on the same tiny random Qwen3."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -131,28 +133,56 @@ def test_bad_request_fails_alone(engine, prompts):
     assert len(res["ok"].token_ids) == 4
 
 
-def test_train_cli_two_steps_on_vllm(tmp_path):
+def test_train_cli_on_vllm_stops_on_sigterm_and_the_rerun_finishes(tmp_path):
+    """Two steps through the CLI on a real vLLM server, preempted after the first: SIGTERM to the
+    trainer's process group (what SLURM and Kubernetes send) saves step 1, stops the server tree
+    and exits 143 with one line; the same command then resumes and finishes."""
+    workdir = tmp_path / "w"
     cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-           f"--config.workdir={tmp_path / 'w'}", "--config.rollout.engine=vllm", f"--config.rollout.vllm_python={VLLM_PYTHON}",
+           f"--config.workdir={workdir}", "--config.rollout.engine=vllm", f"--config.rollout.vllm_python={VLLM_PYTHON}",
            "--config.model.tiny.head_dim=32", "--config.train.total_steps=2", "--config.warmup.steps=5",
            "--config.rollout.rollout_batch_size=4", "--config.rollout.over_sampling_batch_size=8",
            "--config.rollout.n_samples_per_prompt=4", "--config.rollout.max_num_seqs=32", "--config.eval.every=0",
-           "--config.train.micro_batch_size=16",
+           "--config.train.micro_batch_size=16", "--config.checkpoint.every=100",
            "--config.log.tensorboard=false", "--config.log.progress=false"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     from april_jax.metrics import read_metrics
 
-    rows = read_metrics(tmp_path / "w")
+    log = tmp_path / "first.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env, start_new_session=True)
+        deadline = time.time() + 600
+        while not (workdir / "metrics.jsonl").exists() or not read_metrics(workdir):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, "no step finished in 600 s"
+            time.sleep(0.05)
+        tree = (workdir / "vllm_server0.pid").read_text().split()[2]  # the server tree's token (proctree)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=300)
+    stderr = log.read_text()
+    assert code == 143 and "Traceback" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    done = re.fullmatch(r"stopped by SIGTERM after step (\d+) of 2: checkpoint at (\S+); rerun the same command to resume",
+                        last)
+    assert done and Path(done.group(2)) == workdir / "checkpoints" / done.group(1), last
+    assert (Path(done.group(2)) / "commit_success.txt").exists()
+    out = subprocess.run(["pgrep", "-f", f"--model {workdir}"], capture_output=True, text=True)
+    assert out.stdout.strip() == "", "the vLLM server outlived the stopped run"
+    from april_jax.rollout.vllm import proctree
+
+    assert not proctree.tree_pids(tree), "a process of the vLLM server tree outlived the stopped run"
+    assert not list(Path("/dev/shm").glob(f"april_jax_weights_*_{proc.pid}-*"))
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {workdir / 'checkpoints' / done.group(1)}" in proc.stderr
+    rows = read_metrics(workdir)
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["version"] == 2
-    out = subprocess.run(["pgrep", "-f", f"--model {tmp_path / 'w'}"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"--model {workdir}"], capture_output=True, text=True)
     assert out.stdout.strip() == "", "the vLLM server outlived the training run"
 
 
 def test_server_killed_mid_rollout_recovers_and_completes(tiny, engine, prompts):
-    import signal
-
     _, model = tiny
     n = 480  # long enough to still be running when the server dies
     full = JaxEngine(model, max_num_seqs=4, max_model_len=512).generate(
