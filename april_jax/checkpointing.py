@@ -211,29 +211,6 @@ class Checkpointer:
         self.manager.close()
 
 
-def frozen_copy(april):
-    """A copy of `april` whose state_dict() the next rollout cannot change: its containers, the
-    buffered groups and their samples' lists copied one level deep (APRIL's state_dict() walks every
-    token: seconds per step for a large buffer; the copy is a few C-level list copies)."""
-    import copy
-
-    from april_jax.rollout.buffer import PartialBuffer
-
-    def shallow(obj):
-        out = copy.copy(obj)
-        for name, value in vars(obj).items():
-            if isinstance(value, (list, dict)):
-                setattr(out, name, type(value)(value))
-        return out
-
-    clone, clone.buffer = shallow(april), PartialBuffer(april.buffer.capacity)
-    for g in april.buffer.groups():
-        group = copy.copy(g)
-        group.samples = [shallow(s) for s in g.samples]
-        clone.buffer.put(group)
-    return clone
-
-
 def all_finite(tree) -> bool:
     """True if every float leaf of `tree` is finite (one reduction per leaf, on device)."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]

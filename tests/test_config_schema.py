@@ -228,7 +228,7 @@ def test_warmup_examples_come_from_the_task_and_a_task_without_them_is_a_config_
 
     from april_jax import assets
     from april_jax.data import reverse
-    from april_jax.task import build_task
+    from april_jax.training.task import build_task
 
     c = config_lib.default_config()
     c.data.task, c.warmup.steps, c.warmup.reverse_frac = "reverse", 5, 0.35

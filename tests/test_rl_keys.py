@@ -62,7 +62,7 @@ def test_one_staleness_key_drives_rollout_and_loss():
 
 
 def test_kl_reference_from_ref_path_or_saved_after_warmup(tmp_path):
-    from april_jax.train import build_reference
+    from april_jax.training.builders import build_reference
 
     cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)

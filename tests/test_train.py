@@ -125,7 +125,7 @@ def test_kill_9_then_resume_is_identical_to_an_uninterrupted_run(uninterrupted, 
 
 
 def test_configs_parse_and_validate():
-    from april_jax.train import load_config
+    from april_jax.cli.train import load_config
 
     for name in ("tiny", "qwen3_4b", "qwen3_8b"):
         c = load_config(["x", "--config", str(ROOT / f"configs/{name}.py")])
