@@ -22,7 +22,7 @@ from april_jax import schema
 from april_jax.models import qwen3
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig
-from april_jax.rollout.april import RolloutConfig
+from april_jax.rollout.config import RolloutConfig
 from april_jax.schema import ConfigError, key, section
 
 __all__ = ["ConfigError", "Config", "default_config", "validate", "check_overrides", "help_text", "fail", "reward_spec"]

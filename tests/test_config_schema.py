@@ -18,7 +18,7 @@ from april_jax.config import SPECS, ConfigError
 from april_jax.models import qwen3, sharding
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig
-from april_jax.rollout.april import RolloutConfig
+from april_jax.rollout.config import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "april_jax"

@@ -14,7 +14,8 @@ from april_jax.data.types import PromptRecord
 from april_jax.models import hf, qwen3
 from april_jax.rl.losses import LossConfig, policy_loss
 from april_jax.rl.train_step import make_schedule
-from april_jax.rollout.april import April, RolloutConfig
+from april_jax.rollout.april import April
+from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.sim_engine import SimEngine
 
 
