@@ -22,17 +22,17 @@ from pathlib import Path
 from typing import Callable
 
 from april_jax import config as config_lib
-from april_jax import distributed
 from april_jax.config import ConfigError
-from april_jax.errors import Stopped, TrainingError
+from april_jax.runtime import distributed
+from april_jax.runtime.errors import Stopped, TrainingError
 from april_jax.training.run_state import RunState
 from april_jax.training.task import Task, build_task
 
 
 def run(c, stop: distributed.StopSignal | None = None) -> dict:
     """Train `c` to train.total_steps (resuming from its workdir); the last step's metrics."""
-    from april_jax import compile_cache
-    from april_jax.workdir_lock import WorkdirLock, check_workdir
+    from april_jax.runtime import compile_cache
+    from april_jax.runtime.workdir_lock import WorkdirLock, check_workdir
 
     started = time.perf_counter()
     stop = stop or distributed.StopSignal()
@@ -52,8 +52,8 @@ def run(c, stop: distributed.StopSignal | None = None) -> dict:
 
 
 def _run(c, workdir: Path, lock, started: float, stop) -> dict:
-    from april_jax import compile_clock
     from april_jax.models import sharding
+    from april_jax.runtime import compile_clock
 
     mesh = sharding.make_mesh(c.mesh.to_dict())
     # Everything that can reject bad input runs before the workdir is touched.
@@ -117,8 +117,8 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup):
     and whether the run warmed up."""
     import jax
 
-    from april_jax.checkpointing import Checkpointer
     from april_jax.rl.train_step import Trainer
+    from april_jax.runtime.checkpoints import Checkpointer
     from april_jax.training.builders import build_model, build_reference, check_vocab
 
     check_vocab(c, task.vocab_size)
@@ -131,7 +131,7 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup):
     cleanup.callback(ckpt.close)
     fresh = ckpt.latest_step() is None
     ckpt.check_resumable(json.loads(c.to_json()), model.cfg.to_hf_config())
-    if distributed.is_main():  # process 0 owns the rollout and the workdir's files (distributed.py)
+    if distributed.is_main():  # process 0 owns the rollout and the workdir's files (runtime/distributed.py)
         (workdir / "config.json").write_text(c.to_json(indent=2))
     warmed_up = fresh and bool(c.warmup.steps)
     if warmed_up:  # fresh run: supervised warm-up before RL on the task's examples
@@ -178,7 +178,7 @@ def _resume(run: Run) -> int | None:
 
 def _open_metrics(run: Run, cleanup) -> None:
     """Process 0: the logs cut back to the resumed step, and the metrics writer."""
-    from april_jax.metrics import MetricsWriter, truncate_log
+    from april_jax.training.metrics import MetricsWriter, truncate_log
 
     c, workdir = run.c, run.workdir
     for name in ("metrics.jsonl", "delivered.jsonl"):
@@ -207,7 +207,7 @@ def _start_engine(run: Run, cleanup) -> None:
 # ---- one step ----
 def _train_step(run: Run, step: int) -> dict:
     """Generate, train on the batch, sync the weights, evaluate, save and log: the step's metrics."""
-    from april_jax import compile_clock
+    from april_jax.runtime import compile_clock
 
     t0, compile0 = time.perf_counter(), compile_clock.seconds()
     groups, metrics = _generate(run, step)

@@ -197,7 +197,7 @@ def test_reward_fn_that_cannot_be_loaded_is_one_line_each_way(tmp_path, monkeypa
 
 
 def test_a_wrong_type_inside_a_config_file_names_the_key(tmp_path):
-    from april_jax.cli.train import load_config
+    from april_jax.config.loading import load_config
 
     for assignment, why in [('c.train.total_steps = "10"', "config key 'train.total_steps' expects int, got '10' (str)"),
                             ("c.data.shuffle = 'false'", "config key 'data.shuffle' expects bool, got 'false' (str)"),
@@ -215,7 +215,7 @@ def test_a_wrong_type_inside_a_config_file_names_the_key(tmp_path):
 
 
 def test_get_config_returning_no_config_dict_is_named(tmp_path):
-    from april_jax.cli.train import load_config
+    from april_jax.config.loading import load_config
 
     file = tmp_path / "config.py"
     for returned, kind in [("None", "NoneType"), ("{'seed': 1}", "dict")]:

@@ -17,66 +17,12 @@ from __future__ import annotations
 import errno
 import re
 import sys
-from pathlib import Path
 
 from april_jax import config as config_lib
-from april_jax import distributed
-from april_jax.config import ConfigError, fail
-from april_jax.errors import Stopped, TrainingError
-
-
-def _check_config_file(argv: list[str]) -> str:
-    """The --config FILE, checked to exist and to parse (absl's own errors do not name it)."""
-    file = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
-    file = file or next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if not file:
-        raise ConfigError("missing --config FILE (e.g. --config configs/tiny.py; --help lists every key)")
-    path = Path(file.split(":", 1)[0] if not Path(file).exists() else file)  # FILE:arg selects a variant
-    if not path.is_file():
-        raise ConfigError(f"config file {file}: not found")
-    try:
-        compile(path.read_bytes(), str(path), "exec")
-    except SyntaxError as e:
-        raise ConfigError(f"config file {path}:{e.lineno}: syntax error ({e.msg})") from None
-    except ValueError as e:  # null bytes and the like
-        raise ConfigError(f"config file {path}: {e}") from None
-    return str(path)
-
-
-def load_config(argv: list[str]):
-    """Parse --config FILE and --config.* overrides with ml_collections config_flags."""
-    from absl import flags
-    from ml_collections import config_flags
-
-    config_lib.check_overrides(argv)
-    file = _check_config_file(argv)
-    fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "training config file", flag_values=fv, lock_config=True,
-                                    sys_argv=argv)
-    try:
-        fv(argv)
-    except SystemExit as e:  # get_config() called sys.exit: nothing to train, but not a success either
-        raise ConfigError(f"config file {file}: get_config() called sys.exit({e.code!r}) instead of returning "
-                          f"a config") from None
-    except (flags.Error, KeyError, TypeError, ValueError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-    except Exception as e:  # the config file's own code failed (get_config raised): name the file
-        raise ConfigError(f"config file {file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    from ml_collections import ConfigDict
-
-    if not isinstance(fv.config, ConfigDict):
-        raise ConfigError(f"config file {file}: get_config() returned {type(fv.config).__name__}, not a config "
-                          f"(return april_jax.config.default_config() with your changes)")
-    c = config_lib.validate(fv.config)
-    from april_jax import assets
-
-    with c.unlocked():
-        c.model.path = assets.resolve(c.model.path)
-        c.data.train_path = assets.resolve(c.data.train_path)
-        c.data.eval_path = assets.resolve(c.data.eval_path)
-        c.data.tokenizer_path = assets.resolve(c.data.tokenizer_path)
-        c.loss.ref_path = assets.resolve(c.loss.ref_path)
-    return c
+from april_jax.config import ConfigError
+from april_jax.config.loading import load_config
+from april_jax.runtime import distributed
+from april_jax.runtime.errors import Stopped, TrainingError
 
 
 USAGE = """usage: python -m april_jax.train --config FILE [--config.KEY=VALUE ...]
@@ -96,6 +42,12 @@ def help_prefix(argv: list[str]) -> str | None:
             following = argv[i + 1] if i + 1 < len(argv) else ""
             return "" if following.startswith("-") else following
     return None
+
+
+def fail(message: str) -> "None":
+    """One clear line on stderr and exit 2: bad input is not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,7 +97,7 @@ def _fail_on_bad_input(e: Exception) -> None:
     full disk under orbax; anything else returns (a traceback: a bug)."""
     from april_jax.data.dataset import DataError
     from april_jax.data.tokenizer import TokenizerError
-    from april_jax.errors import CheckpointError
+    from april_jax.runtime.errors import CheckpointError
 
     if isinstance(e, (DataError, CheckpointError, TokenizerError, TrainingError)):
         fail(str(e))

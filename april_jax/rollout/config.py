@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from april_jax.schema import check_fields, internal, key
+from april_jax.config.schema import check_fields, internal, key
 
 
 @dataclasses.dataclass

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from april_jax import distributed
 from april_jax.config import ConfigError
 from april_jax.rollout.engine import EngineProtocol
+from april_jax.runtime import distributed
 
 
 def check_vocab(c, task_vocab: int | None) -> None:

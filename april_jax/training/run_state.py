@@ -2,7 +2,7 @@
 
 The meta holds the steps done, the policy version, the skipped steps, the data position, the
 engine's RNG and the reward failure counts, APRIL's state (its partial buffer: the large part),
-and the config and model config a resume is checked against (checkpointing.py reads it).
+and the config and model config a resume is checked against (runtime/checkpoints.py reads it).
 """
 
 from __future__ import annotations

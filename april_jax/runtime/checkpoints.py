@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from april_jax import distributed
-from april_jax.errors import CheckpointError
+from april_jax.runtime import distributed
+from april_jax.runtime.errors import CheckpointError
 
 # What the trainer and `ckpt` read from a checkpoint's meta.
 META_KEYS = ("step", "version", "skipped_steps", "data", "april", "model_config")
