@@ -13,8 +13,12 @@ importing keys.py here, eagerly, would make each import of schema.py wait for it
 """
 
 import importlib
+import typing
 
-from april_jax.config.schema import ConfigError
+from april_jax.config.schema import ConfigError as ConfigError  # at once: schema.py imports nothing of ours
+
+if typing.TYPE_CHECKING:  # what __getattr__ offers, for type checkers and editors
+    from april_jax.config.keys import *  # noqa: F403
 
 
 def __getattr__(name: str):
