@@ -45,8 +45,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from april_jax.metrics import read_metrics  # noqa: E402
-from april_jax.train import load_config  # noqa: E402
+from april_jax.config.loading import load_config  # noqa: E402
+from april_jax.training.metrics import read_metrics  # noqa: E402
 
 MOVING = 10  # steps in the reward moving average for seconds_to_reward
 

@@ -27,8 +27,8 @@ import jax
 import numpy as np
 import torch
 
-from april_jax import weights
 from april_jax.models import qwen3
+from april_jax.rollout.vllm import weights
 from gpu_common import device_info, emit, model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -41,7 +41,8 @@ import json
 import numpy as np
 
 from april_jax.data.types import PromptRecord
-from april_jax.rollout.april import April, RolloutConfig
+from april_jax.rollout.april import April
+from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout import cost_model
 from april_jax.rollout.sim_engine import DEPLOYMENTS, draw_length, length_key
 from april_jax.rollout.sim_replicas import SimReplicas

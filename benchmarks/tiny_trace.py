@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from april_jax import train  # noqa: E402
+from april_jax.cli import train  # noqa: E402
 from april_jax.rollout import april, jax_engine  # noqa: E402
 
 FIRST_STEP = 8

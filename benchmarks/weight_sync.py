@@ -22,8 +22,8 @@ import time
 import numpy as np
 import safetensors.torch
 
-from april_jax import weights
 from april_jax.models import qwen3
+from april_jax.rollout.vllm import weights
 from common import CONFIG_40M
 
 

@@ -9,7 +9,7 @@ answers 32 of the 100 held-out problems greedily: it often states the right numb
 talking and ends on another one, or rambles to the budget, so response lengths run from a few tokens
 to the budget (a long tail, which APRIL cuts). GRPO teaches it to end on its answer. Greedy accuracy
 on the 100 held-out problems (no arithmetic combination of them is trained on) is evaluated before
-step 0 and every `eval.every` steps (`eval/accuracy` in metrics.jsonl; `python -m april_jax.plot
+step 0 and every `eval.every` steps (`eval/accuracy` in metrics.jsonl; `python -m april_jax.cli.plot
 WORKDIR` draws it beside the training reward).
 
 Measured on the project's shared 2-core VM (load average 2-7 from other jobs, so times are upper

@@ -40,7 +40,7 @@ def _schema_modules():
     try:
         from april_jax.config import schema
     except ImportError:
-        from april_jax import schema
+        from april_jax.config import schema
     return config, schema
 
 

@@ -15,7 +15,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
     _OWN_XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="april_jax_test_xla_cache_")
-    from april_jax.compile_cache import MAX_BYTES, MIN_COMPILE_SECONDS  # the trainer's own settings
+    from april_jax.runtime.compile_cache import MAX_BYTES, MIN_COMPILE_SECONDS  # the trainer's own settings
 
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_SECONDS))
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_BYTES))

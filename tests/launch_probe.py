@@ -3,7 +3,7 @@
 PROBE_MODE unset (no JAX): process 0 writes its pid to $PROBE_DIR/pid_0 and sleeps (a trainer
 waiting in a collective); process 1 prints its environment to $PROBE_DIR/env_1 and exits with
 code 3 (a trainer that died).
-PROBE_MODE=listen: every process joins the job as the trainer does (april_jax.distributed.initialize,
+PROBE_MODE=listen: every process joins the job as the trainer does (april_jax.runtime.distributed.initialize,
 the real JAX coordinator); process 0 then writes the local addresses listening on the coordinator's
 port (from /proc/net/tcp and tcp6) to $PROBE_DIR/listen_0.
 """
@@ -36,7 +36,7 @@ def listening(port: int) -> list[str]:
 
 
 if os.environ.get("PROBE_MODE") == "listen":
-    from april_jax import distributed
+    from april_jax.runtime import distributed
 
     distributed.initialize()
     if index == 0:

@@ -9,7 +9,8 @@ import pytest
 
 from april_jax.data.types import PromptRecord
 from april_jax.models import qwen3
-from april_jax.rollout.april import April, RolloutConfig
+from april_jax.rollout.april import April
+from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout import cost_model
 from april_jax.rollout.sim_engine import SimEngine, draw_length

@@ -1,7 +1,7 @@
 """Bad input and faults through the real CLI: exit 2, one `error:` line naming the bad
 key / file / row, no traceback, and nothing lost or changed in the workdir.
 
-Every case is a subprocess (`python -m april_jax.train ...` / `python -m april_jax.ckpt ...`). Most
+Every case is a subprocess (`python -m april_jax.train ...` / `python -m april_jax.cli.ckpt ...`). Most
 fail before JAX compiles anything; all are started at once from one module fixture (a few at a
 time, the 2-core CI machine is the limit) and each test waits for its own. Three real runs: a
 one-step tiny run whose checkpoint the `ckpt` cases and the divergence case use, a resume of it
@@ -39,7 +39,7 @@ def train(*args) -> list[str]:
 
 
 def ckpt(*args) -> list[str]:
-    return [sys.executable, "-m", "april_jax.ckpt", *args]
+    return [sys.executable, "-m", "april_jax.cli.ckpt", *args]
 
 
 def run(cmd, cwd=ROOT, timeout=900) -> subprocess.CompletedProcess:

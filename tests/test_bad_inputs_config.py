@@ -106,7 +106,7 @@ def test_reward_fn_on_the_reverse_task_is_imported_not_ignored(cli):
 
 
 def test_reward_fn_on_the_reverse_task_is_the_one_that_scores():
-    from april_jax.task import build_task
+    from april_jax.training.task import build_task
 
     c = config_lib.default_config()
     c.model.arch, c.data.task, c.reward.workers = "tiny", "reverse", 1
@@ -135,7 +135,7 @@ def test_max_model_len_that_the_prompts_fill_is_one_line_naming_the_longest(cli)
 
 
 def test_max_model_len_derived_or_roomy_passes_and_a_short_budget_warns(capsys):
-    from april_jax.task import check_context
+    from april_jax.training.task import check_context
 
     c = config_lib.default_config()
     c.rollout.max_response_len = 100
@@ -197,7 +197,7 @@ def test_reward_fn_that_cannot_be_loaded_is_one_line_each_way(tmp_path, monkeypa
 
 
 def test_a_wrong_type_inside_a_config_file_names_the_key(tmp_path):
-    from april_jax.train import load_config
+    from april_jax.config.loading import load_config
 
     for assignment, why in [('c.train.total_steps = "10"', "config key 'train.total_steps' expects int, got '10' (str)"),
                             ("c.data.shuffle = 'false'", "config key 'data.shuffle' expects bool, got 'false' (str)"),
@@ -215,7 +215,7 @@ def test_a_wrong_type_inside_a_config_file_names_the_key(tmp_path):
 
 
 def test_get_config_returning_no_config_dict_is_named(tmp_path):
-    from april_jax.train import load_config
+    from april_jax.config.loading import load_config
 
     file = tmp_path / "config.py"
     for returned, kind in [("None", "NoneType"), ("{'seed': 1}", "dict")]:

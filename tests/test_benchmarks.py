@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from april_jax.rollout.april import RolloutConfig
+from april_jax.rollout.config import RolloutConfig
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

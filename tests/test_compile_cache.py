@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp
-from april_jax import compile_cache
+from april_jax.runtime import compile_cache
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
 folder = compile_cache.enable(sys.argv[1])

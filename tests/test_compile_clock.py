@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from april_jax import compile_clock
+from april_jax.runtime import compile_clock
 
 
 def timed(fn, *args):

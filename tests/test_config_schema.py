@@ -1,4 +1,4 @@
-"""The config schema (april_jax/config.py) is the one source of every key: each has a type and a
+"""The config schema (april_jax/config/keys.py) is the one source of every key: each has a type and a
 doc, `--help` lists them all, the ConfigDict and the checks come from it, and no key is dead (each
 is read by the code that it configures)."""
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from april_jax import config as config_lib, schema
-from april_jax.config import SPECS, ConfigError
+from april_jax import config as config_lib
+from april_jax.config import SPECS, ConfigError, schema
 from april_jax.models import qwen3, sharding
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig
-from april_jax.rollout.april import RolloutConfig
+from april_jax.rollout.config import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "april_jax"
@@ -91,8 +91,8 @@ def test_help_of_a_prefix_is_that_subtree_and_a_bad_prefix_is_named():
         config_lib.help_text("rollout.engin")
 
 
-@pytest.mark.parametrize("argv", [["april_jax.ckpt", "--help"], ["april_jax.ckpt", "inspect", "--help"],
-                                  ["april_jax.ckpt", "export-hf", "--help"], ["april_jax.plot", "--help"]])
+@pytest.mark.parametrize("argv", [["april_jax.cli.ckpt", "--help"], ["april_jax.cli.ckpt", "inspect", "--help"],
+                                  ["april_jax.cli.ckpt", "export-hf", "--help"], ["april_jax.cli.plot", "--help"]])
 def test_ckpt_and_plot_help(argv, capsys):
     import importlib
 
@@ -228,7 +228,7 @@ def test_warmup_examples_come_from_the_task_and_a_task_without_them_is_a_config_
 
     from april_jax import assets
     from april_jax.data import reverse
-    from april_jax.task import build_task
+    from april_jax.training.task import build_task
 
     c = config_lib.default_config()
     c.data.task, c.warmup.steps, c.warmup.reverse_frac = "reverse", 5, 0.35

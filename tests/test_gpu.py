@@ -26,13 +26,13 @@ import pytest
 import torch
 from flax import nnx
 
-from april_jax import weights
 from april_jax.models import qwen3
 from april_jax.models.hf import hf_name
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig, Trainer
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
+from april_jax.rollout.vllm import weights
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_GPU = jax.default_backend() == "gpu" and torch.cuda.is_available()

@@ -35,7 +35,7 @@ def test_reverse_lengths_key_sets_the_tail_and_bad_values_name_the_key():
 
     from april_jax import config as config_lib
     from april_jax.config import ConfigError
-    from april_jax.task import build_task
+    from april_jax.training.task import build_task
 
     assert reverse.parse_lengths(config_lib.default_config().data.reverse_lengths) == reverse.LENGTH_BUCKETS
     buckets = reverse.parse_lengths("0.9:2-3,0.1:30-31")

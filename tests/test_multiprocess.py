@@ -1,5 +1,5 @@
 """Multi-process JAX training: configs/tiny.py as 2 processes x 4 CPU devices (gloo
-collectives, started by `python -m april_jax.launch`) against 1 process x 8 devices, the same
+collectives, started by `python -m april_jax.cli.launch`) against 1 process x 8 devices, the same
 mesh. Asserts identical metrics and checkpoints, a resume of the 2-process checkpoint in one
 process, that only process 0 writes the workdir's files, and the launcher's failure handling."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from april_jax.metrics import read_metrics
+from april_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
@@ -29,12 +29,12 @@ ARGS = ["--config", str(ROOT / "configs/tiny.py"), "--config.warmup.steps=5", "-
 
 
 def run_job(workdir, nprocs: int, devices: int, steps: int = STEPS, logs=None) -> None:
-    """`python -m april_jax.launch`: nprocs processes x devices CPU devices, one jax.distributed job.
+    """`python -m april_jax.cli.launch`: nprocs processes x devices CPU devices, one jax.distributed job.
 
     The 1-process reference is a jax.distributed job too, so both use gloo collectives: XLA:CPU's
     in-process collectives (a process without a distributed client) sum in another order (a
     jitted sharded sum differed from gloo's by up to 1e-5), which would make every float differ."""
-    cmd = [sys.executable, "-m", "april_jax.launch", "--nprocs", str(nprocs), "--cpu-devices-per-process", str(devices),
+    cmd = [sys.executable, "-m", "april_jax.cli.launch", "--nprocs", str(nprocs), "--cpu-devices-per-process", str(devices),
            *(["--log-dir", str(logs)] if logs else []), *ARGS, f"--config.workdir={workdir}",
            f"--config.train.total_steps={steps}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
@@ -132,7 +132,7 @@ def test_launcher_stops_every_process_when_one_fails(tmp_path):
     """Process 1 exits with 3 while process 0 hangs: the launcher stops process 0 and exits with 3."""
     env = dict(os.environ, PROBE_DIR=str(tmp_path), PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.launch import launch; "
+    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.cli.launch import launch; "
                            "sys.exit(launch(2, ['--config.x=1'], cpu_devices=4, module='launch_probe'))"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 3, proc.stderr

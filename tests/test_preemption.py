@@ -7,7 +7,7 @@ saved as checkpoint 0), SIGTERM to the whole process group in the middle of a st
 the end, compared with one uninterrupted run. `rollout.hold_aborted_kv` is off: a held KV cache is
 engine memory that no checkpoint keeps (a resumed step re-prefills those responses), so with it a
 resume between checkpoints is equal in distribution, not bit for bit. Then SIGTERM under
-`python -m april_jax.launch --nprocs 2`: every process stops at one step and saves it together.
+`python -m april_jax.cli.launch --nprocs 2`: every process stops at one step and saves it together.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from april_jax.metrics import read_metrics
+from april_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -138,7 +138,7 @@ def test_sigterm_under_launch_stops_every_process_at_one_step(tmp_path):
     same step (each prints the same line), save it together (one complete orbax checkpoint) and exit
     143, and so does the launcher. (A 2-process checkpoint resuming: tests/test_multiprocess.py.)"""
     workdir, log = tmp_path / "run", tmp_path / "stderr"
-    cmd = [sys.executable, "-m", "april_jax.launch", "--nprocs", "2", "--cpu-devices-per-process", "2",
+    cmd = [sys.executable, "-m", "april_jax.cli.launch", "--nprocs", "2", "--cpu-devices-per-process", "2",
            "--log-dir", str(tmp_path / "logs"), *train(workdir)[3:], "--config.rollout.engine_devices=2"]
     proc = start(cmd, log, dict(ENV, XLA_FLAGS=""))
     wait_for(proc, lambda: len(read_metrics(workdir)) >= 1, log)
@@ -156,7 +156,7 @@ def test_the_coordinator_listens_on_loopback_only(tmp_path):
     """Under launch, JAX's coordinator (process 0, the real service) binds 127.0.0.1, not every
     interface (JAX's default, [::]:PORT)."""
     env = dict(ENV, PROBE_DIR=str(tmp_path), PROBE_MODE="listen", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.launch import launch; "
+    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.cli.launch import launch; "
                            "sys.exit(launch(2, [], cpu_devices=1, module='launch_probe'))"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,7 +9,8 @@ import pytest
 from april_jax.config import ConfigError
 from april_jax.data.types import PromptRecord
 from april_jax.rl.rewards import GroupScorer, RewardModel, RewardSample, call_form, load_function
-from april_jax.rollout.april import April, RolloutConfig
+from april_jax.rollout.april import April
+from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.sim_engine import SimEngine
 
 

@@ -14,7 +14,8 @@ from april_jax.data.types import PromptRecord
 from april_jax.models import hf, qwen3
 from april_jax.rl.losses import LossConfig, policy_loss
 from april_jax.rl.train_step import make_schedule
-from april_jax.rollout.april import April, RolloutConfig
+from april_jax.rollout.april import April
+from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.sim_engine import SimEngine
 
 
@@ -62,7 +63,7 @@ def test_one_staleness_key_drives_rollout_and_loss():
 
 
 def test_kl_reference_from_ref_path_or_saved_after_warmup(tmp_path):
-    from april_jax.train import build_reference
+    from april_jax.training.builders import build_reference
 
     cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)

@@ -58,7 +58,7 @@ def test_export_hf_writes_tokenizer_and_eos_and_generates_like_jax(smollm2, tmp_
     import torch
     from flax import nnx
 
-    from april_jax.checkpointing import Checkpointer
+    from april_jax.runtime.checkpoints import Checkpointer
 
     path, model = smollm2
     hf_config = model.cfg.to_hf_config()
@@ -69,7 +69,7 @@ def test_export_hf_writes_tokenizer_and_eos_and_generates_like_jax(smollm2, tmp_
     ckpt.save(1, nnx.to_pure_dict(nnx.state(model)), {"count": np.zeros((), np.int32)}, meta)
     ckpt.close()
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "april_jax.ckpt", "export-hf", str(tmp_path / "run"), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "april_jax.cli.ckpt", "export-hf", str(tmp_path / "run"), str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

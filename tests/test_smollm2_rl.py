@@ -65,8 +65,8 @@ def test_reward_pays_the_last_number(response, answer, expected):
 
 def test_config_loads_and_its_data_fits(tmp_path, monkeypatch):
     from april_jax import assets
+    from april_jax.config.loading import load_config
     from april_jax.data.tokenizer import ChatTokenizer
-    from april_jax.train import load_config
 
     weights = assets.smollm2_135m_instruct()  # converted once into the user's cache
     monkeypatch.setitem(assets.ASSETS, "smollm2-135m-instruct", lambda: weights)

@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from april_jax import config as config_lib
-from april_jax.ckpt import describe
-from april_jax.metrics import read_metrics
+from april_jax.cli.ckpt import describe
+from april_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config.warmup.steps=5", "--config.rollout.rollout_batch_size=4", "--config.rollout.over_sampling_batch_size=8",
@@ -72,11 +72,11 @@ def test_ckpt_inspect_and_export_hf(uninterrupted, tmp_path):
     names = {p["name"]: p for p in info["params"]}
     assert names["layers.0.mlp.up_proj.weight"]["shape"] == [128, 64]
     assert info["buffer"]["groups"] >= 0 and "tokens" in info["buffer"]
-    cli = subprocess.run([sys.executable, "-m", "april_jax.ckpt", "inspect", str(uninterrupted), "--json"],
+    cli = subprocess.run([sys.executable, "-m", "april_jax.cli.ckpt", "inspect", str(uninterrupted), "--json"],
                          capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 0 and json.loads(cli.stdout)["step"] == STEPS
 
-    subprocess.run([sys.executable, "-m", "april_jax.ckpt", "export-hf", str(uninterrupted), str(tmp_path / "hf")],
+    subprocess.run([sys.executable, "-m", "april_jax.cli.ckpt", "export-hf", str(uninterrupted), str(tmp_path / "hf")],
                    check=True, capture_output=True, cwd=ROOT)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     from april_jax.models import hf
@@ -125,7 +125,7 @@ def test_kill_9_then_resume_is_identical_to_an_uninterrupted_run(uninterrupted, 
 
 
 def test_configs_parse_and_validate():
-    from april_jax.train import load_config
+    from april_jax.config.loading import load_config
 
     for name in ("tiny", "qwen3_4b", "qwen3_8b"):
         c = load_config(["x", "--config", str(ROOT / f"configs/{name}.py")])
@@ -179,7 +179,7 @@ def test_missing_dataset_file_and_missing_checkpoint_fail_cleanly(tmp_path):
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
-    cli = subprocess.run([sys.executable, "-m", "april_jax.ckpt", "inspect", str(tmp_path / "none")],
+    cli = subprocess.run([sys.executable, "-m", "april_jax.cli.ckpt", "inspect", str(tmp_path / "none")],
                          capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 2 and cli.stderr.strip() == f"error: {tmp_path / 'none'}: checkpoint not found"
 

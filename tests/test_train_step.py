@@ -14,7 +14,8 @@ from april_jax.models import qwen3, sharding
 from april_jax.rl.batch import groups_to_batch
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig, Trainer
-from april_jax.rollout.april import April, RolloutConfig
+from april_jax.rollout.april import April
+from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.jax_engine import JaxEngine
 
 CFG = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from april_jax.metrics import read_metrics
+from april_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
@@ -116,7 +116,7 @@ def test_metric_names_are_identical_in_jsonl_tensorboard_and_wandb(run):
 
 def test_dashboard_png_from_the_run(run, tmp_path):
     out = tmp_path / "dash.png"
-    proc = subprocess.run([sys.executable, "-m", "april_jax.plot", str(run), "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "april_jax.cli.plot", str(run), "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     import matplotlib.image

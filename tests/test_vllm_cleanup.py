@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from april_jax import weights
+from april_jax.rollout.vllm import weights
 from april_jax.rollout.vllm import proctree
 from april_jax.rollout.vllm.server import SIDECAR, kill_stale, shm_record_path
 
@@ -206,7 +206,7 @@ def test_a_restart_reclaims_the_transport_folder_of_a_sigkilled_trainer():
     base = Path(tempfile.mkdtemp(prefix="transport_base_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     child = """
 import sys, numpy as np
-from april_jax import weights
+from april_jax.rollout.vllm import weights
 folder = weights.make_transport_dir(sys.argv[1])
 weights.SharedSafetensors({"w": np.ones((256, 256), np.float32)}, folder / weights.transport_name("0.safetensors"))
 # a trainer attached to servers it did not start writes its buffer straight into their folder

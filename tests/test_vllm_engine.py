@@ -120,7 +120,7 @@ def test_file_transport_on_an_attached_server_syncs_the_same_weights(tiny, engin
 
 
 def test_cuda_ipc_transport_refuses_cpu_params_with_a_clear_error(tiny):
-    from april_jax import weights
+    from april_jax.rollout.vllm import weights
 
     named = weights.named_torch(nnx.state(tiny[1]))
     with pytest.raises(ValueError, match="'cuda_ipc' needs the trainer's parameters on a CUDA device.*use 'shm'"):
@@ -146,7 +146,7 @@ def test_train_cli_on_vllm_stops_on_sigterm_and_the_rerun_finishes(tmp_path):
            "--config.train.micro_batch_size=16", "--config.checkpoint.every=100",
            "--config.log.tensorboard=false", "--config.log.progress=false"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    from april_jax.metrics import read_metrics
+    from april_jax.training.metrics import read_metrics
 
     log = tmp_path / "first.log"
     with open(log, "w") as err:

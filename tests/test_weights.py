@@ -5,8 +5,8 @@ import numpy as np
 import torch
 import transformers
 
-from april_jax import weights
 from april_jax.models import hf, qwen3, sharding
+from april_jax.rollout.vllm import weights
 
 CFG = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)

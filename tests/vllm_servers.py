@@ -20,7 +20,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from april_jax import weights
+from april_jax.rollout.vllm import weights
 from april_jax.rollout.vllm.engine import VllmEngine
 from april_jax.rollout.vllm.server import VllmServer
 from hf_utils import save_tiny

@@ -5,7 +5,7 @@ reads only the slice a device shard needs (bf16 comes back as an `ml_dtypes.bflo
 an 8B checkpoint never needs a full host copy per device. Writing: the library's `save_file`
 (it writes from the arrays' own buffers, no copy) into a temporary name, fsync, then rename.
 
-`layout` stays ours: the shared-memory weight transport (`april_jax.weights.SharedSafetensors`)
+`layout` stays ours: the shared-memory weight transport (`april_jax.rollout.vllm.weights.SharedSafetensors`)
 lays a file out once and overwrites each tensor in place every sync, which the library's
 whole-file writers cannot do.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from april_jax.errors import CheckpointError
+from april_jax.runtime.errors import CheckpointError
 
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),

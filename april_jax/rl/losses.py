@@ -33,14 +33,14 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from april_jax.schema import check_fields, internal, key
+from april_jax.config.schema import check_fields, internal, key
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The loss's settings; each field is also the config key `loss.<field>` (april_jax/config.py
+    """The loss's settings; each field is also the config key `loss.<field>` (april_jax/config/keys.py
     adds the keys that only the trainer reads and gives clip_c/tis/norm_len their config forms)."""
 
     policy_loss: str = key("ppo", "ratio per token (PPO/GRPO/DAPO) or per sequence (GSPO)", choices=("ppo", "gspo"))

@@ -36,8 +36,8 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
+from april_jax.config.schema import ConfigError
 from april_jax.data import reverse
-from april_jax.schema import ConfigError
 
 # Pool workers re-run a `python -m pkg.mod` trainer's module as __mp_main__ after the fork server
 # preloaded it (see RewardModel); runpy warns about exactly that, harmlessly, once per worker.

@@ -32,10 +32,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from april_jax.config.schema import key
 from april_jax.models.qwen3 import Qwen3
 from april_jax.models.sharding import logical_sharding
 from april_jax.rl.losses import LossConfig, denominators, effective_mask, policy_loss
-from april_jax.schema import key
 
 
 @dataclasses.dataclass(frozen=True)

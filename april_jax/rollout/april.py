@@ -39,9 +39,9 @@ import numpy as np
 
 from april_jax.data.types import PromptRecord
 from april_jax.rollout.buffer import PartialBuffer
+from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.engine import EngineProtocol, EngineStats
 from april_jax.rollout.types import Group, Request, Result, Sample, SamplingParams
-from april_jax.schema import check_fields, internal, key
 
 RewardFn = Callable[[Sample, PromptRecord], float]  # or an object with submit_group(group) -> pending scores
 
@@ -58,80 +58,6 @@ class _Scored:
 
     def result(self) -> list[float]:
         return self.rewards
-
-
-@dataclasses.dataclass
-class RolloutConfig:
-    """APRIL's settings; each field but stop_token_ids is the config key `rollout.<field>`."""
-
-    rollout_batch_size: int = key(32, "prompt groups delivered to each train step", gt=0)
-    n_samples_per_prompt: int = key(8, "responses per prompt (the GRPO group size)", gt=0)
-    over_sampling_batch_size: int = key(64, "prompt groups kept in flight; = rollout_batch_size (with "
-                                            "partial_rollout=false): the synchronous baseline", gt=0)
-    partial_rollout: bool = key(True, "keep aborted groups in the buffer and resume them next step (APRIL); "
-                                      "false: discard them")
-    max_response_len: int = key(1024, "generation budget per response, in tokens (a resumed response counts "
-                                      "what it already generated)", gt=0)
-    max_staleness: int = key(4, "policy versions a buffered token may lag (4: a response spans at most 5); older ones are restarted/dropped "
-                                "(stale_policy) and masked in the loss", ge=0)
-    stale_policy: str = key("restart", "a buffered member past max_staleness: regenerate it from the prompt, "
-                                       "or drop its whole group", choices=("restart", "drop_group"))
-    dynamic_sampling: bool = key(False, "DAPO dynamic sampling: drop groups whose rewards are all equal "
-                                        "(zero advantage) and draw more prompts")
-    schedule: str = key("fifo", "submission order of buffered groups: as they came, or shortest remaining first "
-                                "(by the prompt's past response lengths)", choices=("fifo", "short_first"))
-    # "groups": delivered + in-flight groups, a resumed group by `resume_count`; the engine drains
-    # as members finish and refills only when a group is dropped (the paper's). "members":
-    # unfinished requests / n_samples_per_prompt, refilled as members finish.
-    refill: str = key("members", "how the in-flight budget is counted: by groups (the paper's: refilled when a "
-                                "group is dropped) or by unfinished members (refilled as they finish)",
-                      choices=("groups", "members"))
-    resume_count: str = key("fraction", "a resumed group with k of n members unfinished counts k/n of the "
-                                        "budget, or 1 ('group', as slime)", choices=("fraction", "group"))
-    # "auto" also caps the in-flight requests so that a max_response_len response finishes within
-    # its cap (a response advances one token per decode step: R requests in flight make a step of
-    # D delivered tokens last D / R decode steps, so R <= steps x D / max_response_len, D measured,
-    # steps = max_staleness + 1 - the fraction of the step gone when it starts; no fresh start past
-    # late_start_cutoff) and, on an engine that reports its KV budget
-    # (`kv_budget_tokens`, the simulated replicas), so that their contexts fit it.
-    inflight: str = key("auto", "requests in flight: over_sampling_batch_size x n_samples_per_prompt, or "
-                                         "'auto': also as few as let a full-length response finish within "
-                                         "its staleness cap (and fit the KV budget)",
-                        choices=("over_sampling", "auto"))
-    # A response must finish within max_staleness + 1 steps counted from the step it starts in, so a
-    # fresh group started late in a step has nearly a step less than one started at its start.
-    late_start_cutoff: float = key(0.7, "inflight='auto': no fresh group starts once this fraction of the step's "
-                                        "groups is delivered (a later start has fewer steps before the staleness "
-                                        "cap); 1: no cutoff", gt=0, le=1)
-    # The staleness cap throws away a whole group when its longest member misses it by a little (its
-    # finished members too); these two let the nearly-late ones through. The wait is counted in the
-    # engine's decode steps, not seconds, so that a seeded run stays deterministic on a real engine.
-    finish_wait: float = key(1.0, "inflight='auto': once the step's groups are delivered, keep generating (no fresh "
-                                  "start) for up to this many mean steps' worth of decode steps while a response that would pass "
-                                  "max_staleness at the next step is in flight; a group finished then takes the "
-                                  "place of the freshest delivered one, which waits in the buffer; 0: off", ge=0,
-                             finite=True)
-    inflight_headroom: float = key(0.75, "inflight='auto': steps of time added to the staleness sizing of the "
-                                         "requests in flight (more in flight, more responses finished late, which "
-                                         "finish_wait saves)", ge=0, finite=True)
-    buffer_capacity: int = key(1024, "most groups the partial buffer holds; the oldest are evicted beyond it", gt=0)
-    temperature: float = key(1.0, "sampling temperature (0: greedy); the loss's logprobs use the same one",
-                             ge=0, finite=True)
-    top_p: float = key(1.0, "nucleus sampling: keep the smallest token set with this much probability", gt=0, le=1)
-    top_k: int = key(0, "sample among the k most likely tokens; 0: all", ge=0)
-    stop_token_ids: tuple[int, ...] = internal((), "token ids that end a response (from the task's tokenizer)")
-
-    def validate(self) -> "RolloutConfig":
-        check_fields(self, "rollout")
-        if self.over_sampling_batch_size < self.rollout_batch_size:
-            raise ValueError(f"rollout.over_sampling_batch_size={self.over_sampling_batch_size}: must be >= "
-                             f"rollout.rollout_batch_size={self.rollout_batch_size}")
-        return self
-
-    @property
-    def waits_to_finish(self) -> bool:
-        """finish_wait acts (and APRIL keeps its step-time clock) only here."""
-        return self.inflight == "auto" and self.partial_rollout and self.finish_wait > 0
 
 
 class April:
@@ -154,177 +80,16 @@ class April:
 
     # ---- the step ----
     def collect(self, engine: EngineProtocol, version: int) -> tuple[list[Group], dict]:
-        cfg, target = self.cfg, self.cfg.rollout_batch_size
-        t0, s0 = engine.now(), engine.stats()
-        m = dict(aborted=0, resumed=0, dropped_tokens=0, stale_restarts=0, stale_dropped_groups=0,
-                 zero_std_groups=0, evicted_groups=0, reward_wait_s=0.0, late_start=-1.0, swapped=0)
-        delivered: list[Group] = []
-        surplus: list[Group] = []
-        inflight: dict[str, Group] = {}
-        scoring: dict[str, tuple[Group, object]] = {}  # finished groups whose rewards are being computed
-        requests: dict[str, Sample] = {}
-        weight: dict[str, float] = {}  # group id -> its share of the in-flight budget
-
-        def submit(groups: list[Group]) -> None:
-            batch = []
-            for g in self._ordered(groups):
-                for s in g.samples:
-                    if s.finished:
-                        continue
-                    if s.response_ids:
-                        m["resumed"] += 1
-                    request = self._request(s)
-                    requests[request.request_id] = s
-                    s.status, s.segments = "running", s.segments + 1
-                    batch.append(request)
-            engine.submit(batch)
-
-        limit = self.inflight_limit(engine)
-
-        def progress() -> float:  # fraction of the step's groups delivered: where in the step a start falls
-            return len(delivered) / target
-
-        def room(new_groups: int) -> bool:
-            if len(requests) + (new_groups + 1) * cfg.n_samples_per_prompt > self.inflight_limit(engine, progress()):
-                return False
-            if cfg.refill == "members":  # new groups are not submitted yet: count their members too
-                if len(delivered) + len(scoring) >= target:
-                    return False  # enough groups finished: the step waits on rewards, not on the engine
-                return len(requests) / cfg.n_samples_per_prompt + new_groups < cfg.over_sampling_batch_size
-            # A buffered group with k unfinished members counts k/n (by default): the engine keeps as
-            # many requests in flight as a fresh over-sampled step would (not just 1-2 per long group).
-            # Finished groups waiting for their rewards still count.
-            return (len(delivered) + sum(weight[gid] for gid in inflight) + sum(weight[gid] for gid in scoring)
-                    < cfg.over_sampling_batch_size)
-
-        def too_late() -> bool:
-            """inflight=auto, past the cutoff: a fresh response would have too few steps before its cap;
-            one still starts if the groups in flight could not meet the target without it."""
-            return (cfg.inflight == "auto" and progress() >= cfg.late_start_cutoff
-                    and len(inflight) + len(scoring) >= target - len(delivered))
-
-        def fresh_groups() -> list[Group]:
-            out = []
-            while room(len(out)) and len(delivered) < target and not too_late():
-                g = self._new_group()
-                if g is None:
-                    break
-                inflight[g.group_id] = g
-                weight[g.group_id] = 1.0
-                out.append(g)
-                m["late_start"] = max(m["late_start"], progress())
-            return out
-
-        def accept(g: Group) -> None:
-            if cfg.dynamic_sampling and len({s.reward for s in g.samples}) == 1:
-                m["zero_std_groups"] += 1
-                self.dropped[g.prompt.uid] = "filtered"
-            elif len(delivered) < target:
-                delivered.append(g)
-            elif cfg.inflight == "auto" and cfg.finish_wait > 0 and self._group_at_risk(g, version):
-                # it would be past the cap at the next step: it takes the place of the freshest delivered
-                # group that would not, which waits in the buffer instead (the target and cap still hold)
-                fresh = [x for x in delivered if not self._group_at_risk(x, version)]
-                if fresh:
-                    x = max(fresh, key=lambda x: min(self._first_version(s, version) for s in x.samples))
-                    delivered.remove(x)
-                    surplus.append(x)
-                    delivered.append(g)
-                    m["swapped"] += 1
-                else:
-                    surplus.append(g)
-            else:
-                surplus.append(g)
-
-        def score(g: Group) -> None:
-            scoring[g.group_id] = (g, self._submit_scores(g))
-
-        def harvest(block: bool = False) -> None:
-            """Accept the groups whose rewards are back (all of them when `block`)."""
-            for gid, (g, pending) in list(scoring.items()):
-                if block or pending.done():
-                    for s, r in zip(g.samples, pending.result()):
-                        s.reward = float(r)
-                    del scoring[gid]
-                    accept(g)
-
-        # 1. the buffer first
-        resumed = []
-        for g in self.buffer.drain():
-            if not self._within_staleness(g, version, m):
-                continue
-            if g.complete:
-                weight[g.group_id] = 0.0
-                accept(g) if all(s.reward is not None for s in g.samples) else score(g)
-            else:
-                inflight[g.group_id] = g
-                unfinished = sum(not s.finished for s in g.samples)
-                weight[g.group_id] = 1.0 if cfg.resume_count == "group" else unfinished / cfg.n_samples_per_prompt
-                resumed.append(g)
-        submit(resumed)
-        submit(fresh_groups())
-
-        # 2. generate until the target is met; finished groups are scored beside the engine
-        while len(delivered) < target and (engine.has_unfinished() or scoring):
-            if engine.has_unfinished():
-                for result in engine.step():
-                    sample = requests.pop(result.request_id)
-                    group = inflight[sample.group_id]
-                    self._absorb(sample, result, group.prompt)
-                    if group.complete:
-                        del inflight[group.group_id]
-                        score(group)
-            else:  # nothing to generate until rewards decide what counts
-                t = time.perf_counter()
-                self._wait_any([p for _, p in scoring.values()])
-                m["reward_wait_s"] += time.perf_counter() - t
-            harvest()
-            submit(fresh_groups())
-
-        # 2b. (inflight=auto) before terminating, let the responses that would pass their cap at the next
-        # step finish (restarting one throws away its group's tokens); nothing fresh starts meanwhile
-        m["finish_wait_s"] = 0.0
-        if cfg.waits_to_finish and self.step_time[1]:
-            wait_start = engine.now()
-            deadline = engine.stats().decode_steps + cfg.finish_wait * self.step_time[0] / self.step_time[1]
-            while (engine.has_unfinished() and engine.stats().decode_steps < deadline
-                   and any(self._at_risk(s, version) for s in requests.values())):
-                for result in engine.step():
-                    sample = requests.pop(result.request_id)
-                    group = inflight[sample.group_id]
-                    self._absorb(sample, result, group.prompt)
-                    if group.complete:
-                        del inflight[group.group_id]
-                        score(group)
-                harvest()
-            m["finish_wait_s"] = engine.now() - wait_start
-
-        # 3. active termination
-        for result in engine.abort_all():
-            m["aborted"] += 1
-            sample = requests.pop(result.request_id)
-            self._absorb(sample, result, inflight[sample.group_id].prompt)
-        t = time.perf_counter()
-        harvest(block=True)  # finished groups beyond the target keep their rewards in the buffer
-        m["reward_wait_s"] += time.perf_counter() - t
-        for g in list(inflight.values()) + surplus:
-            if not cfg.partial_rollout:
-                for s in g.samples:
-                    if not s.finished:
-                        m["dropped_tokens"] += s.reset()
-            self.buffer.put(g)
-        for g in self.buffer.take_evicted():
-            m["evicted_groups"] += 1
-            self.dropped[g.prompt.uid] = "evicted"
-            m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
-        for g in delivered:
-            self._remember_lengths(g)
-        if cfg.waits_to_finish:
-            self.step_time = [self.step_time[0] + engine.stats().decode_steps - s0.decode_steps, self.step_time[1] + 1]
-        # the largest fraction of the step's groups delivered when a fresh group started (-1: none started)
-        return delivered, {**self._metrics(delivered, version, m, engine, t0, s0), "rollout/inflight_limit": limit,
-                           "rollout/fresh_start_progress_max": m["late_start"],
-                           "rollout/finish_wait_s": m["finish_wait_s"], "rollout/swapped_groups": m["swapped"]}
+        """One training step's rollout: the delivered groups and the step's metrics."""
+        step = _StepRollout(self, engine, version)
+        step.drain_buffer()
+        step.fill()
+        while len(step.delivered) < step.target and (engine.has_unfinished() or step.scoring):
+            step.pump()
+            step.fill()
+        step.finish_wait()
+        step.terminate()
+        return step.delivered, step.metrics()
 
     # ---- pieces ----
     # Fraction of the KV budget the in-flight contexts may fill on average: the sum of running
@@ -505,3 +270,193 @@ class April:
         self.seen = {k: int(v) for k, v in state.get("seen", {"responses": 0, "tokens": 0, "ctx": 0}).items()}
         total, n = state.get("step_time", (0.0, 0))
         self.step_time = [int(total), int(n)]
+
+
+class _StepRollout:
+    """One `collect` call: the step's groups by where they are, its counters, and its phases (the
+    module docstring's 1-3): drain the buffer, fill the engine, pump it, wait for the nearly-late
+    responses to finish, terminate the rest."""
+
+    def __init__(self, april: April, engine: EngineProtocol, version: int):
+        self.april, self.engine, self.version = april, engine, version
+        self.cfg, self.target = april.cfg, april.cfg.rollout_batch_size
+        self.t0, self.s0 = engine.now(), engine.stats()
+        self.m = dict(aborted=0, resumed=0, dropped_tokens=0, stale_restarts=0, stale_dropped_groups=0,
+                      zero_std_groups=0, evicted_groups=0, reward_wait_s=0.0, late_start=-1.0, swapped=0,
+                      finish_wait_s=0.0)
+        self.delivered: list[Group] = []
+        self.surplus: list[Group] = []  # finished beyond the target: they wait in the buffer
+        self.inflight: dict[str, Group] = {}
+        self.scoring: dict[str, tuple[Group, object]] = {}  # finished groups whose rewards are being computed
+        self.requests: dict[str, Sample] = {}
+        self.weight: dict[str, float] = {}  # group id -> its share of the in-flight budget
+        self.limit = april.inflight_limit(engine)
+
+    # ---- the phases ----
+    def drain_buffer(self) -> None:
+        """1. The buffer first: complete groups are delivered (or scored), unfinished ones resume."""
+        cfg, resumed = self.cfg, []
+        for g in self.april.buffer.drain():
+            if not self.april._within_staleness(g, self.version, self.m):
+                continue
+            if g.complete:
+                self.weight[g.group_id] = 0.0
+                self.accept(g) if all(s.reward is not None for s in g.samples) else self.score(g)
+            else:
+                self.inflight[g.group_id] = g
+                unfinished = sum(not s.finished for s in g.samples)
+                self.weight[g.group_id] = 1.0 if cfg.resume_count == "group" else unfinished / cfg.n_samples_per_prompt
+                resumed.append(g)
+        self.submit(resumed)
+
+    def fill(self) -> None:
+        """Fresh groups up to the in-flight budget."""
+        self.submit(self.fresh_groups())
+
+    def pump(self) -> None:
+        """2. One engine step (finished groups go to be scored beside the engine), or, with nothing
+        to generate, a wait for rewards; then the groups whose rewards are back count."""
+        if self.engine.has_unfinished():
+            for result in self.engine.step():
+                sample = self.requests.pop(result.request_id)
+                group = self.inflight[sample.group_id]
+                self.april._absorb(sample, result, group.prompt)
+                if group.complete:
+                    del self.inflight[group.group_id]
+                    self.score(group)
+        else:  # nothing to generate until rewards decide what counts
+            t = time.perf_counter()
+            self.april._wait_any([p for _, p in self.scoring.values()])
+            self.m["reward_wait_s"] += time.perf_counter() - t
+        self.harvest()
+
+    def finish_wait(self) -> None:
+        """2b. (inflight=auto) before terminating, let the responses that would pass their cap at the
+        next step finish (restarting one throws away its group's tokens); nothing fresh starts meanwhile."""
+        april, engine = self.april, self.engine
+        if not (self.cfg.waits_to_finish and april.step_time[1]):
+            return
+        wait_start = engine.now()
+        deadline = engine.stats().decode_steps + self.cfg.finish_wait * april.step_time[0] / april.step_time[1]
+        while (engine.has_unfinished() and engine.stats().decode_steps < deadline
+               and any(april._at_risk(s, self.version) for s in self.requests.values())):
+            self.pump()
+        self.m["finish_wait_s"] = engine.now() - wait_start
+
+    def terminate(self) -> None:
+        """3. Active termination: abort the rest; unfinished and surplus groups go to the buffer."""
+        april, m = self.april, self.m
+        for result in self.engine.abort_all():
+            m["aborted"] += 1
+            sample = self.requests.pop(result.request_id)
+            april._absorb(sample, result, self.inflight[sample.group_id].prompt)
+        t = time.perf_counter()
+        self.harvest(block=True)  # finished groups beyond the target keep their rewards in the buffer
+        m["reward_wait_s"] += time.perf_counter() - t
+        for g in list(self.inflight.values()) + self.surplus:
+            if not self.cfg.partial_rollout:
+                for s in g.samples:
+                    if not s.finished:
+                        m["dropped_tokens"] += s.reset()
+            april.buffer.put(g)
+        for g in april.buffer.take_evicted():
+            m["evicted_groups"] += 1
+            april.dropped[g.prompt.uid] = "evicted"
+            m["dropped_tokens"] += sum(len(s.response_ids) for s in g.samples)
+        for g in self.delivered:
+            april._remember_lengths(g)
+        if self.cfg.waits_to_finish:
+            steps = self.engine.stats().decode_steps - self.s0.decode_steps
+            april.step_time = [april.step_time[0] + steps, april.step_time[1] + 1]
+
+    def metrics(self) -> dict:
+        m = self.m
+        # the largest fraction of the step's groups delivered when a fresh group started (-1: none started)
+        return {**self.april._metrics(self.delivered, self.version, m, self.engine, self.t0, self.s0),
+                "rollout/inflight_limit": self.limit, "rollout/fresh_start_progress_max": m["late_start"],
+                "rollout/finish_wait_s": m["finish_wait_s"], "rollout/swapped_groups": m["swapped"]}
+
+    # ---- the pieces ----
+    def submit(self, groups: list[Group]) -> None:
+        batch = []
+        for g in self.april._ordered(groups):
+            for s in g.samples:
+                if s.finished:
+                    continue
+                if s.response_ids:
+                    self.m["resumed"] += 1
+                request = self.april._request(s)
+                self.requests[request.request_id] = s
+                s.status, s.segments = "running", s.segments + 1
+                batch.append(request)
+        self.engine.submit(batch)
+
+    def progress(self) -> float:
+        """Fraction of the step's groups delivered: where in the step a start falls."""
+        return len(self.delivered) / self.target
+
+    def room(self, new_groups: int) -> bool:
+        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        if len(self.requests) + (new_groups + 1) * n > self.april.inflight_limit(self.engine, self.progress()):
+            return False
+        if cfg.refill == "members":  # new groups are not submitted yet: count their members too
+            if len(self.delivered) + len(self.scoring) >= self.target:
+                return False  # enough groups finished: the step waits on rewards, not on the engine
+            return len(self.requests) / n + new_groups < cfg.over_sampling_batch_size
+        # A buffered group with k unfinished members counts k/n (by default): the engine keeps as
+        # many requests in flight as a fresh over-sampled step would (not just 1-2 per long group).
+        # Finished groups waiting for their rewards still count.
+        return (len(self.delivered) + sum(self.weight[gid] for gid in self.inflight)
+                + sum(self.weight[gid] for gid in self.scoring) < cfg.over_sampling_batch_size)
+
+    def too_late(self) -> bool:
+        """inflight=auto, past the cutoff: a fresh response would have too few steps before its cap;
+        one still starts if the groups in flight could not meet the target without it."""
+        return (self.cfg.inflight == "auto" and self.progress() >= self.cfg.late_start_cutoff
+                and len(self.inflight) + len(self.scoring) >= self.target - len(self.delivered))
+
+    def fresh_groups(self) -> list[Group]:
+        out = []
+        while self.room(len(out)) and len(self.delivered) < self.target and not self.too_late():
+            g = self.april._new_group()
+            if g is None:
+                break
+            self.inflight[g.group_id] = g
+            self.weight[g.group_id] = 1.0
+            out.append(g)
+            self.m["late_start"] = max(self.m["late_start"], self.progress())
+        return out
+
+    def accept(self, g: Group) -> None:
+        april, cfg, delivered = self.april, self.cfg, self.delivered
+        if cfg.dynamic_sampling and len({s.reward for s in g.samples}) == 1:
+            self.m["zero_std_groups"] += 1
+            april.dropped[g.prompt.uid] = "filtered"
+        elif len(delivered) < self.target:
+            delivered.append(g)
+        elif cfg.inflight == "auto" and cfg.finish_wait > 0 and april._group_at_risk(g, self.version):
+            # it would be past the cap at the next step: it takes the place of the freshest delivered
+            # group that would not, which waits in the buffer instead (the target and cap still hold)
+            fresh = [x for x in delivered if not april._group_at_risk(x, self.version)]
+            if fresh:
+                x = max(fresh, key=lambda x: min(april._first_version(s, self.version) for s in x.samples))
+                delivered.remove(x)
+                self.surplus.append(x)
+                delivered.append(g)
+                self.m["swapped"] += 1
+            else:
+                self.surplus.append(g)
+        else:
+            self.surplus.append(g)
+
+    def score(self, g: Group) -> None:
+        self.scoring[g.group_id] = (g, self.april._submit_scores(g))
+
+    def harvest(self, block: bool = False) -> None:
+        """Accept the groups whose rewards are back (all of them when `block`)."""
+        for gid, (g, pending) in list(self.scoring.items()):
+            if block or pending.done():
+                for s, r in zip(g.samples, pending.result()):
+                    s.reward = float(r)
+                del self.scoring[gid]
+                self.accept(g)

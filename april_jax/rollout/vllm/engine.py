@@ -20,7 +20,7 @@ it is probed every `PROBE_EVERY_S`; once it answers again it gets the latest wei
 With every attached server down, `step()` waits for one (up to 240 s).
 
 Weights: `update_weights` writes HF-named tensors into a shared-memory safetensors buffer
-(`april_jax.weights.SharedSafetensors`, DLPack from JAX, one memcpy) in the run's own transport
+(`april_jax.rollout.vllm.weights.SharedSafetensors`, DLPack from JAX, one memcpy) in the run's own transport
 folder and asks the worker extension (`worker_ext.WeightUpdateExt`) to reload from it, then resets
 the prefix cache. A launched server gets a fresh 0700 folder under `shared_dir` (default /dev/shm)
 and reads files only inside it; the folder is named after the trainer (boot, pid, start time), its
@@ -55,7 +55,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable
 
-from april_jax import weights
+from april_jax.rollout.vllm import weights
 from april_jax.rollout.engine import EngineStats, PollingEngine
 from april_jax.rollout.types import Request, Result
 from april_jax.rollout.vllm.server import VllmServer, VllmSetupError, healthy

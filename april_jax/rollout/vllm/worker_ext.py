@@ -50,7 +50,7 @@ class WeightUpdateExt:
         return len(named)
 
     def april_update_from_cuda_ipc(self, payload: str) -> int:
-        """Map the trainer's CUDA buffer (`april_jax.weights.CudaIpcBucket.payload`: JSON) and load
+        """Map the trainer's CUDA buffer (`april_jax.rollout.vllm.weights.CudaIpcBucket.payload`: JSON) and load
         from it. UNTESTED until a GPU run proves it."""
         import torch
         from torch.multiprocessing.reductions import rebuild_cuda_tensor

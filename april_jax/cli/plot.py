@@ -1,4 +1,4 @@
-"""python -m april_jax.plot RUN [RUN2 ...] [--out FILE] [--smooth 0.6] [--labels a,b]
+"""python -m april_jax.cli.plot RUN [RUN2 ...] [--out FILE] [--smooth 0.6] [--labels a,b]
 
 One dashboard PNG of one or more runs (their WORKDIR/metrics.jsonl), overlaid with one colour per
 run: training reward, held-out eval, response length, engine occupancy, off-policy token fraction,
@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from april_jax.metrics import MetricsError, read_metrics
+from april_jax.training.metrics import MetricsError, read_metrics
 
 # (title, y label, [(metric, legend suffix)], smoothed?, y limits)
 PANELS = [
@@ -136,7 +136,7 @@ def time_panel(ax, runs) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m april_jax.plot", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m april_jax.cli.plot", description=__doc__.split("\n\n")[1])
     parser.add_argument("runs", nargs="+", help="workdirs (each with a metrics.jsonl)")
     parser.add_argument("--out", help="PNG path (default RUN/plots/dashboard.png)")
     parser.add_argument("--smooth", type=float, default=0.6, help="EMA weight in [0, 1), 0: off")

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import ml_collections
 
-from april_jax import schema
+from april_jax.config import schema
+from april_jax.config.schema import ConfigError, key, section
 from april_jax.models import qwen3
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig
-from april_jax.rollout.april import RolloutConfig
-from april_jax.schema import ConfigError, key, section
+from april_jax.rollout.config import RolloutConfig
 
-__all__ = ["ConfigError", "Config", "default_config", "validate", "check_overrides", "help_text", "fail", "reward_spec"]
+__all__ = ["ConfigError", "Config", "default_config", "validate", "check_overrides", "help_text", "reward_spec"]
 
 # Upper bounds that catch a typo (1e23 written out) before anything is built, not capacity plans:
 # past them an allocation or a process count fails late (after the warm-up), or a seed wraps around.
@@ -155,7 +154,7 @@ class Train:
                                     "all-rewards-failed) steps", gt=0)
     compile_cache_dir: str = key("~/.cache/april_jax/xla", "persistent XLA compilation cache: a rerun or resumed "
                                  "run loads the programs compiled before (same metrics); JAX_COMPILATION_CACHE_DIR "
-                                 "in the environment wins; empty: off (april_jax/compile_cache.py)")
+                                 "in the environment wins; empty: off (april_jax/runtime/compile_cache.py)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,9 +347,3 @@ def optimizer_cfg(c) -> OptimizerConfig:
     # the schedule counts optimiser steps: one per PPO epoch of every train step
     fields["total_steps"] = c.optimizer.total_steps or c.train.total_steps * c.train.num_iterations
     return OptimizerConfig(**fields)
-
-
-def fail(message: str) -> "None":
-    """One clear line on stderr and exit 2: bad input is not a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)

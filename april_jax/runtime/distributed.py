@@ -22,11 +22,11 @@ written by process 0), so a checkpoint restores on any process count.
 
 Environment (the standard `jax.distributed` variables): JAX_COORDINATOR_ADDRESS (host:port of
 process 0), JAX_NUM_PROCESSES, JAX_PROCESS_ID; under SLURM (srun, SLURM_NTASKS > 1) JAX finds
-them itself. `python -m april_jax.launch --nprocs N` sets them for N local processes.
+them itself. `python -m april_jax.cli.launch --nprocs N` sets them for N local processes.
 
 Where the coordinator listens: process 0 runs JAX's coordinator service. When
 JAX_COORDINATOR_ADDRESS names this machine's loopback (127.0.0.1, ::1, localhost: what
-`april_jax.launch` sets) it binds that address only, so nothing outside the machine can reach
+`april_jax.cli.launch` sets) it binds that address only, so nothing outside the machine can reach
 it. On a cluster the other hosts must reach it, and JAX binds every interface ([::]:PORT) by
 default: set JAX_COORDINATOR_BIND_ADDRESS=IP:PORT to the cluster network's interface of the
 first host (the job's private network) so that it does not listen on a public one.
@@ -147,7 +147,7 @@ def initialize() -> None:
         missing = [v for v in ENV_VARS[1:] if not os.environ.get(v)]
         if missing:
             raise ConfigError(f"JAX_COORDINATOR_ADDRESS is set but not {', '.join(missing)} "
-                              f"(set all of {', '.join(ENV_VARS)}, or use python -m april_jax.launch)")
+                              f"(set all of {', '.join(ENV_VARS)}, or use python -m april_jax.cli.launch)")
         try:
             kw = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
                       num_processes=int(os.environ["JAX_NUM_PROCESSES"]),

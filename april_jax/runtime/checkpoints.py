@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from april_jax import distributed
-from april_jax.errors import CheckpointError
+from april_jax.runtime import distributed
+from april_jax.runtime.errors import CheckpointError
 
 # What the trainer and `ckpt` read from a checkpoint's meta.
 META_KEYS = ("step", "version", "skipped_steps", "data", "april", "model_config")
@@ -209,29 +209,6 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def frozen_copy(april):
-    """A copy of `april` whose state_dict() the next rollout cannot change: its containers, the
-    buffered groups and their samples' lists copied one level deep (APRIL's state_dict() walks every
-    token: seconds per step for a large buffer; the copy is a few C-level list copies)."""
-    import copy
-
-    from april_jax.rollout.buffer import PartialBuffer
-
-    def shallow(obj):
-        out = copy.copy(obj)
-        for name, value in vars(obj).items():
-            if isinstance(value, (list, dict)):
-                setattr(out, name, type(value)(value))
-        return out
-
-    clone, clone.buffer = shallow(april), PartialBuffer(april.buffer.capacity)
-    for g in april.buffer.groups():
-        group = copy.copy(g)
-        group.samples = [shallow(s) for s in g.samples]
-        clone.buffer.put(group)
-    return clone
 
 
 def all_finite(tree) -> bool:

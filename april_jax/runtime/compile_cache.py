@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from april_jax.schema import ConfigError
+from april_jax.config.schema import ConfigError
 
 MIN_COMPILE_SECONDS = 0.2  # the tiny engine's programs compile in 0.2-3 s; JAX's default (1 s) skips most
 MAX_BYTES = 8 << 30

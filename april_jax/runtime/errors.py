@@ -25,3 +25,7 @@ class Stopped(Exception):
                                f"same command to start again")
         return cls(signum, f"stopped by {name} after step {done} of {total}: checkpoint at {checkpoints}/{done}; "
                            f"rerun the same command to resume")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (it diverged, or every reward failed); the message says why and what was kept."""

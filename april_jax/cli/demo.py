@@ -1,7 +1,7 @@
 """Generation demo on real weights: SmolLM2-135M-Instruct answers questions on CPU, through the
 same embedded engine that generates training rollouts (continuous batching, KV cache, stop ids).
 
-    python -m april_jax.demo ["your question" ...]
+    python -m april_jax.cli.demo ["your question" ...]
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
 
 
-def main(argv: list[str]) -> None:
-    questions = argv or ["What is the capital of France?", "What is 12 + 30?"]
+def main(argv: list[str] | None = None) -> None:
+    questions = (sys.argv[1:] if argv is None else argv) or ["What is the capital of France?", "What is 12 + 30?"]
     path = assets.smollm2_135m_instruct()
     t = time.perf_counter()
     model = hf.from_pretrained(path)
@@ -36,4 +36,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

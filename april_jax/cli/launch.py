@@ -1,6 +1,6 @@
 """Run N training processes on this machine as one multi-process JAX job.
 
-    python -m april_jax.launch --nprocs 2 --config configs/tiny.py [--config.x=y ...]
+    python -m april_jax.cli.launch --nprocs 2 --config configs/tiny.py [--config.x=y ...]
 
 Each process runs `python -m april_jax.train` with the arguments given (everything but the
 launcher's own flags) and the standard `jax.distributed` environment: JAX_COORDINATOR_ADDRESS
@@ -18,7 +18,7 @@ signal; the launcher waits for them (up to --stop-grace-s, then SIGKILL) and exi
 code. A second signal SIGKILLs them at once (the last complete checkpoint stays intact).
 
 On a cluster, run `python -m april_jax.train` once per host instead (README: SLURM, Kubernetes),
-and see april_jax/distributed.py for where the coordinator listens there.
+and see april_jax/runtime/distributed.py for where the coordinator listens there.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def launch(nprocs: int, args: list[str], *, cpu_devices: int | None = None, log_
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m april_jax.launch", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m april_jax.cli.launch", description=__doc__.split("\n\n")[0],
                                      epilog="Every other argument goes to python -m april_jax.train.")
     parser.add_argument("--nprocs", type=int, required=True, help="processes to start on this machine")
     parser.add_argument("--cpu-devices-per-process", type=int, default=None,

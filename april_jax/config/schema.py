@@ -1,7 +1,7 @@
 """Config keys declared once, as dataclass fields: default, type, allowed values and a one-line doc.
 
 A config section is a dataclass whose fields are made with `key(...)` (a setting a user may change)
-or `internal(...)` (filled in by the code, not a config key). `april_jax/config.py` nests the
+or `internal(...)` (filled in by the code, not a config key). `april_jax/config/keys.py` nests the
 sections into one schema; from it come the ml_collections ConfigDict that `configs/*.py` edit, the
 per-key checks (type, choices, bounds; unknown keys with the nearest one suggested), the parsing
 of `--config.a.b=value` strings, and `python -m april_jax.train --help`. The runtime dataclasses

@@ -1,7 +1,7 @@
 """Inspect and export training checkpoints.
 
-    python -m april_jax.ckpt inspect PATH [--json]     PATH: workdir, checkpoints dir or step dir
-    python -m april_jax.ckpt export-hf PATH OUT        a transformers-loadable checkpoint (OUT new or empty,
+    python -m april_jax.cli.ckpt inspect PATH [--json]     PATH: workdir, checkpoints dir or step dir
+    python -m april_jax.cli.ckpt export-hf PATH OUT        a transformers-loadable checkpoint (OUT new or empty,
                                                        or --force to replace the model files in it)
 """
 
@@ -13,8 +13,8 @@ import math
 import sys
 from pathlib import Path
 
-from april_jax.checkpointing import read_meta, resolve_step_dir
-from april_jax.errors import CheckpointError
+from april_jax.runtime.checkpoints import read_meta, resolve_step_dir
+from april_jax.runtime.errors import CheckpointError
 
 
 def describe(path) -> dict:
@@ -132,7 +132,8 @@ def write_tokenizer(tokenizer_dir, out) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m april_jax.ckpt", description="Inspect and export training checkpoints.")
+    parser = argparse.ArgumentParser(prog="python -m april_jax.cli.ckpt",
+                                     description="Inspect and export training checkpoints.")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{inspect,export-hf}")
     where = "a workdir, its checkpoints dir, or one step's dir (the latest step when not a step dir)"
     p = sub.add_parser("inspect", help="step, policy version, data position, parameters and partial buffer",

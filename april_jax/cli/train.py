@@ -1,0 +1,115 @@
+"""python -m april_jax.train --config configs/tiny.py [--config.a.b=value ...]
+(also `python -m april_jax.cli.train`, or the `april-train` console script)
+
+The command line of the training recipe (april_jax/train.py): the config from --config FILE and
+its overrides, `--help [KEY.PREFIX]`, and bad input, a full disk or a stop as one line and an
+exit code instead of a traceback.
+
+SIGTERM / SIGINT (preemption, Ctrl-C): the step in progress is abandoned if its rollout is not
+done yet (else it finishes), a checkpoint of the last finished step is written (unless one
+exists), the engine and the reward workers are stopped, one line says where the checkpoint is,
+and the exit code is 128 + the signal (143 / 130: a scheduler then retries the job, and rerunning
+the same command resumes as if nothing had happened).
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import sys
+
+from april_jax import config as config_lib
+from april_jax.config import ConfigError
+from april_jax.config.loading import load_config
+from april_jax.runtime import distributed
+from april_jax.runtime.errors import Stopped, TrainingError
+
+
+USAGE = """usage: python -m april_jax.train --config FILE [--config.KEY=VALUE ...]
+       python -m april_jax.train --help [KEY.PREFIX]   (e.g. --help rollout, --help loss.kl_coef)
+
+FILE is a Python file whose get_config() returns the config (configs/*.py); --config.KEY=VALUE
+overrides one key. Keys (type, default; allowed values), each with what it does:
+"""
+
+
+def help_prefix(argv: list[str]) -> str | None:
+    """The KEY.PREFIX of `--help [PREFIX]` / `--help=PREFIX` / `-h` ('' for all keys), or None."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg.startswith("--help="):
+            return arg.split("=", 1)[1]
+        if arg in ("--help", "-h", "--helpfull"):
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            return "" if following.startswith("-") else following
+    return None
+
+
+def fail(message: str) -> "None":
+    """One clear line on stderr and exit 2: bad input is not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from april_jax.train import run
+
+    argv = list(sys.argv if argv is None else argv)
+    prefix = help_prefix(argv)
+    if prefix is not None:
+        try:
+            keys = config_lib.help_text(prefix)
+        except ConfigError as e:
+            fail(str(e))
+        print((USAGE + "\n" if not prefix else "") + keys)
+        return
+    stop = distributed.StopSignal().install()  # from here on a signal only asks the loop to stop
+    c = None
+    try:
+        c = load_config(argv)
+        run(c, stop)
+    except Stopped as e:
+        print(e.line, file=sys.stderr)
+        raise SystemExit(e.code) from None
+    except ConfigError as e:
+        fail(str(e))
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):  # a path in the config: the message names it
+            fail(str(e))
+        if e.errno not in DISK_ERRORS:
+            raise
+        # a full disk, or a folder the run cannot write: the checkpoints written before are intact
+        fail(f"{e.filename or (c and c.workdir) or 'writing the run'}: {e.strerror or e}{RERUN}")
+    except (ValueError, TrainingError) as e:
+        _fail_on_bad_input(e)
+        raise
+    except RuntimeError as e:
+        from april_jax.rollout.vllm.server import VllmStartError
+
+        if isinstance(e, VllmStartError):  # a server that cannot start: its own reason, not our traceback
+            fail(str(e))
+        raise
+    finally:
+        stop.uninstall()
+
+
+def _fail_on_bad_input(e: Exception) -> None:
+    """One line and exit 2 for bad data, a bad checkpoint or tokenizer, a run that cannot go on, or a
+    full disk under orbax; anything else returns (a traceback: a bug)."""
+    from april_jax.data.dataset import DataError
+    from april_jax.data.tokenizer import TokenizerError
+    from april_jax.runtime.errors import CheckpointError
+
+    if isinstance(e, (DataError, CheckpointError, TokenizerError, TrainingError)):
+        fail(str(e))
+    if DISK_FULL_TEXT in str(e):  # orbax reports tensorstore's write errors as ValueError
+        where = re.search(r"/[^\"'\s]*/checkpoints/\d+", str(e))
+        fail(f"writing checkpoint {where.group(0) if where else ''}: {DISK_FULL_TEXT}{RERUN}")
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+DISK_FULL_TEXT = "No space left on device"
+RERUN = " (the checkpoints before it are intact: fix this and rerun the same command to resume)"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The run's position, written as each checkpoint's meta and read back on resume.
+
+The meta holds the steps done, the policy version, the skipped steps, the data position, the
+engine's RNG and the reward failure counts, APRIL's state (its partial buffer: the large part),
+and the config and model config a resume is checked against (runtime/checkpoints.py reads it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Callable
+
+
+class RunState:
+    def __init__(self, c, trainer, april, prompts, reward):
+        self.c, self.trainer, self.april, self.prompts, self.reward = c, trainer, april, prompts, reward
+        self.step = 0  # steps done
+        self.version = 0  # the policy version the engine generates with
+        self.engine = None  # process 0's engine, once built (None elsewhere)
+        self.engine_rng = None  # the engine's RNG state read back on resume, for the engine once built
+
+    def meta(self, done_steps: int, with_april: bool = True) -> dict:
+        """The checkpoint meta after `done_steps` steps (APRIL's state None unless `with_april`)."""
+        rng = {"engine": self.engine.rng_state() if self.engine is not None else None,  # None: not process 0
+               "reward_failures": self.reward.failures, "reward_timeouts": self.reward.timeouts}
+        return {"step": done_steps, "version": self.version, "skipped_steps": self.trainer.skipped_steps,
+                "data": self.prompts.state_dict(), "rng": rng,
+                "april": self.april.state_dict() if with_april else None,
+                "config": json.loads(self.c.to_json()), "model_config": self.trainer.model().cfg.to_hf_config()}
+
+    def later(self, done_steps: int) -> Callable[[], dict]:
+        """meta(done_steps) for a stop signal's save, should one come: all but APRIL's state now;
+        APRIL's (the large part: the partial buffer's tokens) as a cheap copy, made a dict only if asked."""
+        meta, frozen = self.meta(done_steps, with_april=False), frozen_copy(self.april)
+        return lambda: dict(meta, april=frozen.state_dict())
+
+    def restore(self, meta: dict) -> None:
+        """Continue from a checkpoint's meta (the params and optimiser state are restored apart)."""
+        self.trainer.skipped_steps = meta["skipped_steps"]
+        self.step, self.version = meta["step"], meta["version"]
+        rng = meta.get("rng", {})
+        self.prompts.load_state_dict(meta["data"])
+        self.april.load_state_dict(meta["april"])
+        self.reward.failures = int(rng.get("reward_failures", 0))
+        self.reward.timeouts = int(rng.get("reward_timeouts", 0))
+        self.engine_rng = rng.get("engine")
+
+    def attach_engine(self, engine) -> None:
+        """Process 0's engine: it continues from the restored RNG state, and saves its own from now on."""
+        self.engine = engine
+        engine.set_rng_state(self.engine_rng)
+
+
+def frozen_copy(april):
+    """A copy of `april` whose state_dict() the next rollout cannot change: its containers, the
+    buffered groups and their samples' lists copied one level deep (APRIL's state_dict() walks every
+    token: seconds per step for a large buffer; the copy is a few C-level list copies)."""
+    from april_jax.rollout.buffer import PartialBuffer
+
+    def shallow(obj):
+        out = copy.copy(obj)
+        for name, value in vars(obj).items():
+            if isinstance(value, (list, dict)):
+                setattr(out, name, type(value)(value))
+        return out
+
+    clone, clone.buffer = shallow(april), PartialBuffer(april.buffer.capacity)
+    for g in april.buffer.groups():
+        group = copy.copy(g)
+        group.samples = [shallow(s) for s in g.samples]
+        clone.buffer.put(group)
+    return clone
