@@ -43,13 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
+# april_vs_sync's own imports of april_jax's config loader and metrics reader, so that the two
+# benchmarks read runs the same way
 try:
-    from benchmarks.april_vs_sync import loadavg, spread, summarize, train
+    from benchmarks.april_vs_sync import load_config, loadavg, read_metrics, spread, summarize, train
 except ImportError:  # run as a file without the repository on the path: this folder is
-    from april_vs_sync import loadavg, spread, summarize, train
-
-from april_jax.metrics import read_metrics
-from april_jax.train import load_config
+    from april_vs_sync import load_config, loadavg, read_metrics, spread, summarize, train
 
 REWARD_THRESHOLD = 0.9  # april_vs_sync's seconds-to-reward threshold (the warm-up starts near 0.75)
 
