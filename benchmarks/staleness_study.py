@@ -135,7 +135,8 @@ def plot(runs: list[dict], out: Path) -> None:
     labelled = set()
     for run in runs:
         name = run["setting"]
-        label = None if name in labelled else (name if name == "sync" else f"APRIL max_staleness={run['max_staleness']}")
+        label = "sync" if name == "sync" else f"APRIL max_staleness={run['max_staleness']}"
+        label = None if name in labelled else label
         labelled.add(name)
         curve = run["eval_curve"]
         acc = [p["accuracy"] for p in curve]
