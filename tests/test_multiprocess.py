@@ -16,6 +16,8 @@ import pytest
 
 from april_jax.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # jax.distributed training runs through the launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
 # Small enough to compile little: sequences fit one 32-token bucket (prompts <= 24, responses <= 8)
@@ -98,7 +100,7 @@ def test_two_processes_match_one_process_checkpoints(two_processes, one_process)
         assert a.keys() == b.keys() and len(a) > 5
         for name in a:
             np.testing.assert_array_equal(a[name], b[name], err_msg=f"checkpoint {step}: {name}")
-        meta = lambda w: json.loads((w / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+        meta = lambda w, step=step: json.loads((w / "checkpoints" / str(step) / "meta" / "metadata").read_text())
         ma, mb = meta(two_processes), meta(one_process)
         for m in (ma, mb):
             m["config"].pop("workdir")

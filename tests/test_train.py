@@ -14,7 +14,6 @@ import pytest
 import torch
 import transformers
 
-from april_jax import config as config_lib
 from april_jax.ckpt import describe
 from april_jax.metrics import read_metrics
 
@@ -57,6 +56,7 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_run_writes_named_metrics(uninterrupted):
     rows = read_metrics(uninterrupted)
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -66,6 +66,7 @@ def test_run_writes_named_metrics(uninterrupted):
     assert json.loads((uninterrupted / "config.json").read_text())["rollout"]["engine"] == "jax"
 
 
+@pytest.mark.slow
 def test_ckpt_inspect_and_export_hf(uninterrupted, tmp_path):
     info = describe(uninterrupted)
     assert info["step"] == STEPS and info["policy_version"] == STEPS
@@ -88,6 +89,7 @@ def test_ckpt_inspect_and_export_hf(uninterrupted, tmp_path):
     assert np.abs(np.asarray(ours(jnp.asarray(ids, jnp.int32))) - ref).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_is_identical_to_an_uninterrupted_run(uninterrupted, tmp_path):
     """SIGKILL after checkpoint 2, resume: every metric but wall-clock time equals the uninterrupted
     run's (params, optimiser, data order, APRIL buffer and the engine's sampling seeds all restored)."""
@@ -184,6 +186,7 @@ def test_missing_dataset_file_and_missing_checkpoint_fail_cleanly(tmp_path):
     assert cli.returncode == 2 and cli.stderr.strip() == f"error: {tmp_path / 'none'}: checkpoint not found"
 
 
+@pytest.mark.slow
 def test_smollm2_gsm8k_one_step_smoke(tmp_path):
     """Real weights (SmolLM2-135M-Instruct), real data (GSM8K test problems), math-verify rewards."""
     workdir = tmp_path / "smol"
