@@ -198,7 +198,7 @@ def test_plot_of_a_torn_metrics_file_and_out_folder(tmp_path):
     out.mkdir()
     proc = run(module("plot", run_dir, "--out", out))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"metrics.jsonl:4: incomplete last line" in proc.stderr and "plotting the 3 complete steps" in proc.stderr
+    assert "metrics.jsonl:4: incomplete last line" in proc.stderr and "plotting the 3 complete steps" in proc.stderr
     assert proc.stdout.strip() == f"wrote {out / 'dashboard.png'}" and (out / "dashboard.png").stat().st_size > 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "run"], "nothing written beside the folder"
 
