@@ -338,6 +338,7 @@ def test_short_first_orders_known_short_prompts_first():
 
 # ---- the real engine: abort -> buffer -> resume gives the uninterrupted greedy tokens ----
 
+@pytest.mark.slow
 def test_jax_engine_abort_buffer_resume_matches_uninterrupted():
     model = qwen3.init_model(TINY_QWEN3.replace(initializer_range=0.3), seed=3)
     prompts = list(itertools.islice(prompt_stream(length=6, vocab=64, seed=4), 24))

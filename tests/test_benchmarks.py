@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from april_jax.rollout.april import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +89,7 @@ def test_rollout_sweep_prints_a_row_per_seed_and_a_summary(tmp_path):
     assert again.returncode == 0 and json.loads(again.stdout.splitlines()[0])["speedup"] == per_seed[0]["speedup"]
 
 
+@pytest.mark.slow
 def test_engine_benchmark_runs_and_matches_transformers_greedy():
     proc = subprocess.run(benchmark("engine", "--batches", "2", "--new-tokens", "6", "--prompt-len", "5"),
                           cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -58,6 +58,7 @@ def test_greedy_logprobs_equal_teacher_forced(tiny_reference, prompts, greedy_ou
         np.testing.assert_allclose(r.logprobs, teacher_forced_logprobs(model, prompts[i], r.token_ids), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_teacher_forced_at_temperature(tiny_reference, prompts):
     _, model = tiny_reference
     engine = engine_for(model)

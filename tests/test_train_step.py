@@ -5,6 +5,7 @@ import itertools
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from april_jax.data.types import PromptRecord
@@ -47,6 +48,7 @@ def test_micro_batched_equals_full_batch():
     assert np.abs(flat(g_full)).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     batch = random_batch(B=8)
