@@ -3,6 +3,7 @@ collectives, started by `python -m april_jax.launch`) against 1 process x 8 devi
 mesh. Asserts identical metrics and checkpoints, a resume of the 2-process checkpoint in one
 process, that only process 0 writes the workdir's files, and the launcher's failure handling."""
 
+import concurrent.futures as cf
 import json
 import os
 import shutil
@@ -46,17 +47,26 @@ def run_job(workdir, nprocs: int, devices: int, steps: int = STEPS, logs=None) -
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("two_processes")
-    run_job(workdir, 2, 4, logs=tmp_path_factory.mktemp("launch_logs"))
-    return workdir
+def both_runs(tmp_path_factory):
+    """(2 x 4 workdir, 1 x 8 workdir), the two jobs run side by side: they compile different
+    programs (4 local devices of 8 against 8), so neither waits for the other's cache."""
+    two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
+    with cf.ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = [pool.submit(run_job, two, 2, 4, logs=tmp_path_factory.mktemp("launch_logs")),
+                pool.submit(run_job, one, 1, 8)]
+        for job in jobs:
+            job.result()
+    return two, one
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("one_process")
-    run_job(workdir, 1, 8)
-    return workdir
+def two_processes(both_runs):
+    return both_runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_process(both_runs):
+    return both_runs[1]
 
 
 def _timing(key: str) -> bool:
