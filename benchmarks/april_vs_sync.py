@@ -1,6 +1,6 @@
 """APRIL vs the synchronous baseline, trained end to end, back to back on the same machine.
 
-    python benchmarks/april_vs_sync.py --config configs/tiny.py --seeds 0,1,2 [--config.x=value ...]
+    python -m benchmarks.april_vs_sync --config configs/tiny.py --seeds 0,1,2 [--config.x=value ...]
 
 For every seed: one APRIL run (the config as given) then one synchronous run (the same config
 with `rollout.partial_rollout=false` and `rollout.over_sampling_batch_size=rollout_batch_size`),
@@ -42,11 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from april_jax.config.loading import load_config
+from april_jax.training.metrics import read_metrics
 
-from april_jax.config.loading import load_config  # noqa: E402
-from april_jax.training.metrics import read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MOVING = 10  # steps in the reward moving average for seconds_to_reward
 

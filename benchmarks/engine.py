@@ -1,6 +1,6 @@
 """Decode tokens/s of the embedded JAX engine vs transformers `generate` on the same weights.
 
-    python benchmarks/engine.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 32] [--dtype bfloat16]
+    python -m benchmarks.engine [--batches 1,16,64] [--new-tokens 128] [--prompt-len 32] [--dtype bfloat16]
                                 [--busy 4/128]
                                 [--vllm-python ../.venv-vllm/bin/python]
 
@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from flax import nnx
 import transformers
+from flax import nnx
 
 from april_jax.models import hf, qwen3
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
-from common import CONFIG_40M, timed
+from benchmarks.common import CONFIG_40M, timed
 
 
 def timed_generate(engine, prompts, new_tokens):

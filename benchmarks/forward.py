@@ -1,6 +1,6 @@
 """Load time and forward tokens/s of a ~40M-parameter Qwen3 (fp32) on this machine's devices.
 
-    python benchmarks/forward.py [--batch 8] [--seq 512]
+    python -m benchmarks.forward [--batch 8] [--seq 512]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from april_jax.models import hf, qwen3
-from common import CONFIG_40M, timed
+from benchmarks.common import CONFIG_40M, timed
 
 
 def main():

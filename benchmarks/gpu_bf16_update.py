@@ -1,6 +1,6 @@
 """Does a bf16 train step still move the weights? One AdamW step at the recipes' lr vs fp32.
 
-    python benchmarks/gpu_bf16_update.py [--lr 1e-6] [--model small] [--dry-run]
+    python -m benchmarks.gpu_bf16_update [--lr 1e-6] [--model small] [--dry-run]
 
 With `model.dtype = "bfloat16"` the parameters themselves (and so AdamW's update) are bf16, which
 is why configs/qwen3_4b.py and qwen3_8b.py keep fp32 master weights with bf16 compute. AdamW's first step moves each weight by about lr; a bf16 weight
@@ -20,8 +20,8 @@ import numpy as np
 from april_jax.models import qwen3
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig, Trainer
-from gpu_common import device_info, emit, model_config
-from gpu_train_mfu import random_batch
+from benchmarks.gpu_common import device_info, emit, model_config
+from benchmarks.gpu_train_mfu import random_batch
 
 SMALL = qwen3.Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64)

@@ -1,6 +1,6 @@
 """Decode tokens/s of the embedded JAX engine against the memory roofline.
 
-    python benchmarks/gpu_engine_decode.py [--model qwen3-0.6b] [--batches 16,64,256] [--prompt-len 128]
+    python -m benchmarks.gpu_engine_decode [--model qwen3-0.6b] [--batches 16,64,256] [--prompt-len 128]
                                            [--short 65] [--long 257] [--dry-run]
 
 A random-init model in bf16 (weights and KV cache), `JaxEngine(max_num_seqs=batch,
@@ -32,7 +32,7 @@ from flax import nnx
 from april_jax.models import qwen3
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
-from gpu_common import copy_bandwidth_bytes_per_s, device_info, emit, model_config, spec_hbm_bytes_per_s
+from benchmarks.gpu_common import copy_bandwidth_bytes_per_s, device_info, emit, model_config, spec_hbm_bytes_per_s
 
 GOAL_FRACTION_AT_64 = 0.60  # the goal on an H200: >= 60% of the roofline at batch 64
 

@@ -1,7 +1,7 @@
 """The device check's two bookends (scripts/device_check.sh).
 
-    python benchmarks/gpu_summary.py env                  # one JSON line: versions, devices, GPU
-    python benchmarks/gpu_summary.py summarize WORK OUT   # WORK's pieces -> OUT (the summary JSON)
+    python -m benchmarks.gpu_summary env                  # one JSON line: versions, devices, GPU
+    python -m benchmarks.gpu_summary summarize WORK OUT   # WORK's pieces -> OUT (the summary JSON)
 
 `summarize` reads what the script left in WORK: items.jsonl (one line per step: name, rc,
 seconds, status), env.out, junit_*.xml (pytest outcomes) and *.out (benchmark JSON lines), and

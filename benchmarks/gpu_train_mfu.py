@@ -1,6 +1,6 @@
 """Train-step MFU of Qwen3-0.6B- and 1.7B-shaped models against a measured bf16 matmul peak.
 
-    python benchmarks/gpu_train_mfu.py [--models qwen3-0.6b,qwen3-1.7b] [--remats none,full]
+    python -m benchmarks.gpu_train_mfu [--models qwen3-0.6b,qwen3-1.7b] [--remats none,full]
                                        [--batch 16] [--seq 2048] [--micro 4] [--steps 3] [--dry-run]
 
 Random init, fp32 master parameters, bf16 compute (`attention_impl=auto`: cuDNN flash attention on
@@ -27,7 +27,7 @@ import numpy as np
 from april_jax.models import qwen3
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig, Trainer
-from gpu_common import bf16_matmul_peak_flops, device_info, device_peak_bytes, emit, model_config
+from benchmarks.gpu_common import bf16_matmul_peak_flops, device_info, device_peak_bytes, emit, model_config
 
 GOAL_MFU = 0.45  # the goal on an H200
 

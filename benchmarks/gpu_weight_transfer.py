@@ -1,13 +1,13 @@
 """Trainer -> engine weight transfer on a GPU vs a raw copy of the same bytes.
 
-    python benchmarks/gpu_weight_transfer.py [--models qwen3-0.6b,qwen3-1.7b] [--param-dtype float32] [--dry-run]
+    python -m benchmarks.gpu_weight_transfer [--models qwen3-0.6b,qwen3-1.7b] [--param-dtype float32] [--dry-run]
 
 Per model (random init, the trainer's parameter dtype):
 - `export_s`: `weights.named_torch` (JAX -> HF-named torch tensors by DLPack; zero-copy: the
   tensors share the JAX buffers, `zero_copy` says whether every pointer matched);
 - `raw_copy_s`: one device-to-device copy of all the bytes (torch; host memcpy without CUDA);
 - `cuda_ipc_write_s`: `CudaIpcBucket.write` (a copy per tensor into the shared buffer, synced),
-  and `cuda_ipc_receive_s`: a torch process (tests/cuda_ipc_receiver.py, the vLLM worker
+  and `cuda_ipc_receive_s`: a torch process (benchmarks/cuda_ipc_receiver.py, the vLLM worker
   extension's code) mapping the buffer and copying every tensor out, timed inside it;
 - `shm_write_s`: `SharedSafetensors.write`, the default transport (host memory); an error is
   recorded as it is, not worked around.
@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -29,9 +27,7 @@ import torch
 
 from april_jax.models import qwen3
 from april_jax.rollout.vllm import weights
-from gpu_common import device_info, emit, model_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from benchmarks.gpu_common import device_info, emit, model_config
 
 
 def best_of(fn, repeats: int) -> float:
@@ -87,7 +83,7 @@ def measure(name: str, args) -> dict:
     row["raw_copy_s"] = round(raw_s, 6)
     row["raw_copy_gb_per_s"] = round(nbytes / raw_s / 1e9, 1)
     if cuda:
-        from cuda_ipc_receiver import ReceiverProcess
+        from benchmarks.cuda_ipc_receiver import ReceiverProcess
 
         bucket = weights.CudaIpcBucket(named)
         write_s = best_of(lambda: bucket.write(weights.named_torch(model)), args.repeats)

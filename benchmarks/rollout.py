@@ -1,9 +1,9 @@
 """APRIL vs the synchronous baseline on the same engine and the same prompts.
 
-    python benchmarks/rollout.py --engine sim [--cost h200-qwen3-4b] [--replicas 8] [--steps 8] [--seed 0]
+    python -m benchmarks.rollout --engine sim [--cost h200-qwen3-4b] [--replicas 8] [--steps 8] [--seed 0]
                                  [--deployment colocated|disaggregated] [--png busy.png]
-    python benchmarks/rollout.py --engine sim --cost cpu-jax       # the earlier CPU-calibrated model, one engine
-    python benchmarks/rollout.py --engine jax [--steps 8] [--length-scale 0.03125] [--reuse-aborted-kv]
+    python -m benchmarks.rollout --engine sim --cost cpu-jax       # the earlier CPU-calibrated model, one engine
+    python -m benchmarks.rollout --engine jax [--steps 8] [--length-scale 0.03125] [--reuse-aborted-kv]
 
 Both modes: 32 groups x 8 samples per step, the seed's long-tailed length distribution (scaled
 for the JAX engine so it fits on CPU). APRIL is the product's defaults (`RolloutConfig()`: what
@@ -41,9 +41,9 @@ import json
 import numpy as np
 
 from april_jax.data.types import PromptRecord
+from april_jax.rollout import cost_model
 from april_jax.rollout.april import April
 from april_jax.rollout.config import RolloutConfig
-from april_jax.rollout import cost_model
 from april_jax.rollout.sim_engine import DEPLOYMENTS, draw_length, length_key
 from april_jax.rollout.sim_replicas import SimReplicas
 

@@ -1,6 +1,6 @@
 """Sensitivity study of APRIL vs sync on the simulated engine (roofline presets): prints JSON.
 
-    python benchmarks/rollout_sweep.py --cost h200-qwen3-4b --seeds 0 1 2 [--steps 20] [--sections all] [--jobs 2] [--markdown]
+    python -m benchmarks.rollout_sweep --cost h200-qwen3-4b --seeds 0 1 2 [--steps 20] [--sections all] [--jobs 2] [--markdown]
 
 Every row runs APRIL with the product defaults (`RolloutConfig()`, colocated) or a variant of them,
 against the synchronous baseline on the same preset, replicas, deployment, prompts, length draws and
@@ -18,7 +18,7 @@ import types
 
 import numpy as np
 
-import rollout
+from benchmarks import rollout
 
 # None: the product default (benchmarks/rollout.py's flags left out)
 BASE = dict(engine="sim", cost="h200-qwen3-4b", replicas=8, steps=20, warmup_steps=None, seed=0, slots=256,
@@ -126,7 +126,7 @@ def main():
                     results[json.dumps(tuple(d["task"]), sort_keys=True)] = d["result"]
     tasks = [t for t in tasks if json.dumps(t, sort_keys=True) not in results]
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-        for i, (t, r) in enumerate(pool.imap(_run, tasks)):
+        for t, r in pool.imap(_run, tasks):
             results[json.dumps(t, sort_keys=True)] = r
             print(json.dumps({"task": t, "result": r}), file=sys.stderr, flush=True)
     summarise(rows, results, args)

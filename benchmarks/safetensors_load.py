@@ -1,7 +1,7 @@
 """Loading a real checkpoint through `safetensors.safe_open` (what models/safetensors_io.py uses
 now) vs a hand-written numpy-memmap reader, back to back in one process.
 
-    python benchmarks/safetensors_load.py [--reps 3]
+    python -m benchmarks.safetensors_load [--reps 3]
 
 Prints JSON: seconds per full `hf.from_pretrained` of SmolLM2-135M-Instruct (fp32 params) with
 each reader, best of --reps, alternating A/B so machine noise hits both.

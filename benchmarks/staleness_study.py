@@ -1,6 +1,6 @@
 """Learning under staleness: APRIL at several staleness caps against the synchronous baseline.
 
-    python benchmarks/staleness_study.py --config configs/tiny.py --seeds 0,1,2 --staleness 0,1,2,4 \
+    python -m benchmarks.staleness_study --config configs/tiny.py --seeds 0,1,2 --staleness 0,1,2,4 \
         --out runs/staleness --png benchmarks/staleness_study.png [--config.x=value ...]
 
 APRIL trains on responses whose tokens come from up to `rollout.max_staleness + 1` policy
@@ -45,10 +45,7 @@ import numpy as np
 
 # april_vs_sync's own imports of april_jax's config loader and metrics reader, so that the two
 # benchmarks read runs the same way
-try:
-    from benchmarks.april_vs_sync import load_config, loadavg, read_metrics, spread, summarize, train
-except ImportError:  # run as a file without the repository on the path: this folder is
-    from april_vs_sync import load_config, loadavg, read_metrics, spread, summarize, train
+from benchmarks.april_vs_sync import load_config, loadavg, read_metrics, spread, summarize, train
 
 REWARD_THRESHOLD = 0.9  # april_vs_sync's seconds-to-reward threshold (the warm-up starts near 0.75)
 

@@ -1,6 +1,6 @@
 """Train-step throughput of a ~40M-parameter Qwen3 and its fraction of a measured matmul peak.
 
-    python benchmarks/train_step.py [--batch 8] [--seq 512] [--micro 8]
+    python -m benchmarks.train_step [--batch 8] [--seq 512] [--micro 8]
 
 The peak is measured in the same run with a large jnp.dot (fp32), so machine noise affects both.
 FLOPs per step: the recompute of pi_old (forward, 2N per token) plus forward+backward of the
@@ -23,7 +23,7 @@ import numpy as np
 from april_jax.models import qwen3
 from april_jax.rl.losses import LossConfig
 from april_jax.rl.train_step import OptimizerConfig, Trainer
-from common import CONFIG_40M
+from benchmarks.common import CONFIG_40M
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:

@@ -1,7 +1,7 @@
 """Seconds per trainer -> engine weight sync for each transport that runs without a GPU, against a
 raw memory copy of the same bytes (measured in the same run).
 
-    python benchmarks/weight_sync.py [--repeats 5]
+    python -m benchmarks.weight_sync [--repeats 5]
 
 A sync = JAX params -> HF-named tensors (DLPack, zero-copy) -> safetensors bytes at the
 destination (write) -> torch tensors on the receiving side (safetensors.torch.load_file).
@@ -24,7 +24,7 @@ import safetensors.torch
 
 from april_jax.models import qwen3
 from april_jax.rollout.vllm import weights
-from common import CONFIG_40M
+from benchmarks.common import CONFIG_40M
 
 
 def best_of(fn, repeats):
@@ -34,6 +34,21 @@ def best_of(fn, repeats):
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def time_file_transport(model, named, path: str, repeats: int) -> tuple[float, float]:
+    """(best seconds of a sync: write + the receiver's load, best seconds of the write alone)."""
+
+    def sync():
+        weights.write_safetensors(weights.named_torch(model), path)
+        return safetensors.torch.load_file(path)
+
+    loaded = sync()
+    assert all(np.array_equal(loaded[k].numpy(), v.numpy()) for k, v in named.items())
+    write_s = best_of(lambda: weights.write_safetensors(weights.named_torch(model), path), repeats)
+    total_s = best_of(sync, repeats)
+    os.remove(path)
+    return total_s, write_s
 
 
 def main():
@@ -53,16 +68,7 @@ def main():
         if not os.path.isdir(base):
             continue
         path = os.path.join(base, f"april_jax_sync_{os.getpid()}.safetensors")
-
-        def sync():
-            weights.write_safetensors(weights.named_torch(model), path)
-            return safetensors.torch.load_file(path)
-
-        loaded = sync()
-        assert all(np.array_equal(loaded[k].numpy(), v.numpy()) for k, v in named.items())
-        write_s = best_of(lambda: weights.write_safetensors(weights.named_torch(model), path), args.repeats)
-        total_s = best_of(sync, args.repeats)
-        os.remove(path)
+        total_s, write_s = time_file_transport(model, named, path, args.repeats)
         out["transports"][name] = {"sync_s": round(total_s, 4), "write_only_s": round(write_s, 4),
                                    "ratio_to_memcpy": round(total_s / memcpy_s, 2),
                                    "write_ratio_to_memcpy": round(write_s / memcpy_s, 2)}

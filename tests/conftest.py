@@ -21,8 +21,27 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_BYTES))
 
 
-# ---- the vLLM servers the test_vllm_* modules share (tests/vllm_servers.py) ----
 import pytest  # noqa: E402  (after the environment above)
+
+
+# ---- the tiny Hugging Face checkpoint several modules read (tests/tiny_models.py) ----
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """(path, transformers model): read-only, a test that changes files copies it first."""
+    from tiny_models import save_tiny_hf_checkpoint
+
+    return save_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_hf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_hf_checkpoint):
+    """(transformers model, our model loaded from `tiny_hf_checkpoint`); neither is changed by a test."""
+    from tiny_models import load_reference_and_model
+
+    return load_reference_and_model(tiny_hf_checkpoint)
+
+
+# ---- the vLLM servers the test_vllm_* modules share (tests/vllm_servers.py) ----
 
 _CLUSTER_FIXTURE = "vllm_cluster"
 _cluster_state = {"cluster": None, "last_user": None}

@@ -9,13 +9,14 @@ import pytest
 
 from april_jax.data.types import PromptRecord
 from april_jax.models import qwen3
+from april_jax.rollout import cost_model
 from april_jax.rollout.april import April
 from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.jax_engine import JaxEngine
-from april_jax.rollout import cost_model
 from april_jax.rollout.sim_engine import SimEngine, draw_length
 from april_jax.rollout.sim_replicas import SimReplicas
 from april_jax.rollout.types import Request, SamplingParams
+from tiny_models import TINY_QWEN3
 
 
 def prompt_stream(prefix="p", length=8, vocab=500, seed=0):
@@ -338,10 +339,9 @@ def test_short_first_orders_known_short_prompts_first():
 
 # ---- the real engine: abort -> buffer -> resume gives the uninterrupted greedy tokens ----
 
+@pytest.mark.slow
 def test_jax_engine_abort_buffer_resume_matches_uninterrupted():
-    cfg_model = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.3)
-    model = qwen3.init_model(cfg_model, seed=3)
+    model = qwen3.init_model(TINY_QWEN3.replace(initializer_range=0.3), seed=3)
     prompts = list(itertools.islice(prompt_stream(length=6, vocab=64, seed=4), 24))
     max_len = 40
     reference = JaxEngine(model, max_num_seqs=8, max_model_len=64).generate(

@@ -168,6 +168,7 @@ def launched(tmp_path_factory):
     pool.shutdown(wait=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIG_CASES))
 def test_bad_config_value(launched, name):
     proc = launched["jobs"][name].result()
@@ -177,6 +178,7 @@ def test_bad_config_value(launched, name):
         assert "micro_batch_size" not in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(INPUT_CASES))
 def test_bad_input_file_leaves_the_workdir_as_it_was(launched, name):
     proc = launched["jobs"][name].result()
@@ -184,12 +186,14 @@ def test_bad_input_file_leaves_the_workdir_as_it_was(launched, name):
     assert snapshot(launched["workdirs"][name]) == snapshot(launched["inputs"]["previous"])
 
 
+@pytest.mark.slow
 def test_config_file_missing_or_broken_is_named(launched):
     assert_one_error_line(launched["jobs"]["config_file_missing"].result(), str(launched["missing"]), "not found")
     assert_one_error_line(launched["jobs"]["config_file_syntax_error"].result(),
                           f"{launched['inputs']['syntax']}:3", "syntax error")
 
 
+@pytest.mark.slow
 def test_ckpt_inspect_without_april_meta(launched):
     assert_one_error_line(launched["jobs"]["inspect_without_april_meta"].result(), "foreign_ckpt/7",
                           "not an april_jax checkpoint", "april")
@@ -202,6 +206,7 @@ def trained(launched):
     return launched["base"] / "trained"
 
 
+@pytest.mark.slow
 def test_second_trainer_on_a_locked_workdir_exits_at_once(trained):
     before = snapshot(trained)
     fd = os.open(trained / ".lock", os.O_RDWR)
@@ -214,6 +219,7 @@ def test_second_trainer_on_a_locked_workdir_exits_at_once(trained):
     assert snapshot(trained) == before
 
 
+@pytest.mark.slow
 def test_ckpt_relative_paths_and_export_hf_targets(trained):
     base = trained.parent
     inspect = run(ckpt("inspect", "trained", "--json"), cwd=base)
@@ -237,6 +243,7 @@ def test_ckpt_relative_paths_and_export_hf_targets(trained):
     assert snapshot(base / "exported") == before  # the same checkpoint exported again: the same bytes
 
 
+@pytest.mark.slow
 def test_divergence_stops_with_the_last_good_checkpoint_intact(trained):
     """lr overflows float32 (params would become inf): every step is skipped, the run stops after
     train.max_skipped_steps with exit 2, and no checkpoint is written. Before it resumes, an empty and
@@ -263,6 +270,7 @@ def test_divergence_stops_with_the_last_good_checkpoint_intact(trained):
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["train/skipped"] == 1 for r in rows[1:])
 
 
+@pytest.mark.slow
 def test_nan_reward_on_every_sample_stops_the_run(launched):
     """A reward function returning NaN: each score counts as a failure (reward 0, reward/failures),
     a step where every reward failed trains nothing, and two in a row stop the run. The same data

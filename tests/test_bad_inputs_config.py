@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from april_jax import assets
-from april_jax import config as config_lib
+from april_jax import assets, config as config_lib
 from april_jax.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

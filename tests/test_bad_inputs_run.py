@@ -90,12 +90,14 @@ def cases(tmp_path_factory):
     pool.shutdown(wait=True)
 
 
+@pytest.mark.slow
 def test_empty_workdir_is_refused_and_the_current_folder_untouched(cases):
     before = snapshot(cases["model_dir"])
     one_error_line(cases["jobs"]["workdir_empty"].result(), "'workdir' is empty")
     assert snapshot(cases["model_dir"]) == before
 
 
+@pytest.mark.slow
 def test_workdir_that_is_or_is_under_a_file(cases):
     base = cases["base"]
     one_error_line(cases["jobs"]["workdir_file"].result(), str(base / "a_file"), "is a file")
@@ -104,6 +106,7 @@ def test_workdir_that_is_or_is_under_a_file(cases):
     assert (base / "a_file").read_text() == "not a folder"
 
 
+@pytest.mark.slow
 def test_get_config_that_returns_no_config_or_exits(cases):
     none, as_dict, exits = cases["configs"]
     one_error_line(cases["jobs"]["get_config_none"].result(), str(none), "returned NoneType")
@@ -124,6 +127,7 @@ def copy_run(trained: Path, name: str) -> Path:
     return target
 
 
+@pytest.mark.slow
 def test_resume_with_other_shapes_names_the_keys(trained):
     workdir = copy_run(trained, "reshaped")
     before = snapshot(workdir)
@@ -135,6 +139,7 @@ def test_resume_with_other_shapes_names_the_keys(trained):
     assert snapshot(workdir) == before, line
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_meta_is_one_line(trained):
     workdir = copy_run(trained, "damaged_meta")
     meta_file = workdir / "checkpoints" / "1" / "meta" / "metadata"
@@ -145,12 +150,14 @@ def test_damaged_checkpoint_meta_is_one_line(trained):
     assert meta_file.exists(), "the only checkpoint stays where it was"
 
 
+@pytest.mark.slow
 def test_export_into_the_runs_checkpoints_is_refused(trained):
     target = trained / "checkpoints" / "1" / "hf_export"
     one_error_line(run(module("ckpt", "export-hf", trained, target)), str(target), "checkpoints folder")
     assert not target.exists()
 
 
+@pytest.mark.slow
 def test_a_run_ending_on_skipped_steps_fails_with_one_line(cases):
     """The warm-up diverges (lr 1e30): both RL steps are skipped, fewer than train.max_skipped_steps;
     the run does not report success (a rerun with the same config would skip the warm-up it needs to
@@ -173,6 +180,7 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
+@pytest.mark.slow
 def test_full_disk_and_read_only_workdir_are_one_line_and_keep_the_checkpoint(trained, tmpfs):
     workdir = tmpfs / "run"
     shutil.copytree(trained, workdir, ignore=shutil.ignore_patterns(".lock"))
@@ -198,7 +206,7 @@ def test_plot_of_a_torn_metrics_file_and_out_folder(tmp_path):
     out.mkdir()
     proc = run(module("plot", run_dir, "--out", out))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"metrics.jsonl:4: incomplete last line" in proc.stderr and "plotting the 3 complete steps" in proc.stderr
+    assert "metrics.jsonl:4: incomplete last line" in proc.stderr and "plotting the 3 complete steps" in proc.stderr
     assert proc.stdout.strip() == f"wrote {out / 'dashboard.png'}" and (out / "dashboard.png").stat().st_size > 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "run"], "nothing written beside the folder"
 

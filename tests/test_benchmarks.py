@@ -5,13 +5,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from april_jax.rollout.config import RolloutConfig
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark(name: str, *args) -> list[str]:
+    return [sys.executable, "-m", f"benchmarks.{name}", *args]
 
 
 def rollout_json(*args):
-    proc = subprocess.run([sys.executable, "rollout.py", "--engine", "sim", *args], cwd=BENCH, capture_output=True,
+    proc = subprocess.run(benchmark("rollout", "--engine", "sim", *args), cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -49,8 +55,7 @@ def test_rollout_benchmark_on_the_roofline_sim_runs_the_product_defaults_and_rep
 def test_end_to_end_accounting_by_hand():
     """A rollout of 100 s over two steps that train 10 s each: 120 s end to end, 1/60 step/s and, for
     1200 delivered tokens, 10 tokens/s."""
-    sys.path.insert(0, str(BENCH))
-    import rollout
+    from benchmarks import rollout
 
     e2e = rollout.end_to_end(100.0, [10.0, 10.0], 1200)
     assert e2e == {"e2e_time_s": 120.0, "e2e_steps_per_s": 2 / 120, "e2e_tokens_per_s": 10.0, "train_time_s": 20.0}
@@ -62,14 +67,14 @@ def test_rollout_benchmark_cpu_model_and_a_bad_preset():
     assert out["april_train_time_frac"] == 0  # training not modelled on the CPU model
     for bad, says in ((["--cost", "a100"], "--cost 'a100'"), (["--train-gpus", "4"], "--train-gpus 4"),
                       (["--deployment", "shared"], "--deployment")):
-        proc = subprocess.run([sys.executable, "rollout.py", "--engine", "sim", *bad], cwd=BENCH,
+        proc = subprocess.run(benchmark("rollout", "--engine", "sim", *bad), cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_rollout_sweep_prints_a_row_per_seed_and_a_summary(tmp_path):
-    proc = subprocess.run([sys.executable, "rollout_sweep.py", "--seeds", "0", "--steps", "2", "--sections", "deployment",
-                           "--jobs", "1", "--markdown"], cwd=BENCH, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(benchmark("rollout_sweep", "--seeds", "0", "--steps", "2", "--sections", "deployment",
+                                    "--jobs", "1", "--markdown"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     per_seed = [r for r in rows if "summary" not in r]
@@ -79,14 +84,15 @@ def test_rollout_sweep_prints_a_row_per_seed_and_a_summary(tmp_path):
     # The per-task log on stderr rebuilds the same summary without running anything.
     log = tmp_path / "sweep.log"
     log.write_text(proc.stderr)
-    again = subprocess.run([sys.executable, "rollout_sweep.py", "--seeds", "0", "--steps", "2", "--sections", "deployment",
-                            "--from-log", str(log)], cwd=BENCH, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(benchmark("rollout_sweep", "--seeds", "0", "--steps", "2", "--sections", "deployment",
+                                     "--from-log", str(log)), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and json.loads(again.stdout.splitlines()[0])["speedup"] == per_seed[0]["speedup"]
 
 
+@pytest.mark.slow
 def test_engine_benchmark_runs_and_matches_transformers_greedy():
-    proc = subprocess.run([sys.executable, "engine.py", "--batches", "2", "--new-tokens", "6", "--prompt-len", "5"],
-                          cwd=BENCH, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(benchmark("engine", "--batches", "2", "--new-tokens", "6", "--prompt-len", "5"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["dtype"] == "float32"
@@ -98,8 +104,7 @@ def test_engine_benchmark_runs_and_matches_transformers_greedy():
 def test_april_vs_sync_summary_takes_the_compiles_out_of_the_steady_median():
     """Rollout seconds 1.0 / 0.2 / 2.5 / 0.3 / 0.4 after step 0, of which 0 / 0 / 2.2 / 0 / 0 compiling:
     the median is 0.4 with compiles, 0.3 without (hand-computed)."""
-    sys.path.insert(0, str(BENCH))
-    import april_vs_sync
+    from benchmarks import april_vs_sync
 
     rollout, compile_s = [9.0, 1.0, 0.2, 2.5, 0.3, 0.4], [8.0, 0.0, 0.0, 2.2, 0.0, 0.0]
     rows = [{"step": i, "time/rollout_s": r, "time/rollout_compile_s": c, "time/train_s": 0.1, "time/elapsed_s": i + 1.0,

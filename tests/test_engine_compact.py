@@ -8,14 +8,9 @@ import pytest
 from april_jax.rollout import engine_steps
 from april_jax.rollout.jax_engine import JaxEngine, merge_buckets
 from april_jax.rollout.types import Request, SamplingParams
-from engine_utils import GREEDY, tiny_reference_and_model, transformers_greedy
+from engine_utils import GREEDY, transformers_greedy
 
 SLOTS, MAX_LEN = 16, 160
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_reference_and_model(tmp_path_factory.mktemp("compact"))
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +32,8 @@ def run(model, requests, **kw):
 
 
 @pytest.fixture(scope="module")
-def compact_and_full(tiny, workload):
-    _, model = tiny
+def compact_and_full(tiny_reference, workload):
+    _, model = tiny_reference
     before = engine_steps.TRACES["decode"]
     compact = run(model, workload)
     traces = engine_steps.TRACES["decode"] - before
@@ -58,17 +53,17 @@ def test_compacted_decode_equals_the_full_batch_path(compact_and_full, workload)
     assert full_stats.computed_slot_steps == full_stats.decode_steps * SLOTS
 
 
-def test_compacted_greedy_decode_matches_transformers(tiny, compact_and_full, workload):
-    ref, _ = tiny
+def test_compacted_greedy_decode_matches_transformers(tiny_reference, compact_and_full, workload):
+    ref, _ = tiny_reference
     (compact, _), _, _ = compact_and_full
     for r in workload[::2][:6]:
         assert compact[r.request_id].token_ids == transformers_greedy(ref, r.prompt_ids, r.max_new_tokens), r.request_id
 
 
-def test_bucketed_batches_compile_once_per_bucket(tiny, compact_and_full, workload):
+def test_bucketed_batches_compile_once_per_bucket(tiny_reference, compact_and_full, workload):
     """Busy counts 16 -> 1 and contexts 2 -> 130 over the run: decode compiled at most once per
     (batch bucket {4, 8, 16}, length bucket {64, 128, 160}, mode), and a second run compiles nothing."""
-    _, model = tiny
+    _, model = tiny_reference
     _, _, traces = compact_and_full
     assert 0 < traces <= 3 * 3 * 3
     before = engine_steps.TRACES["decode"]
@@ -78,10 +73,10 @@ def test_bucketed_batches_compile_once_per_bucket(tiny, compact_and_full, worklo
 
 
 @pytest.fixture(scope="module")
-def resumed_groups(tiny):
+def resumed_groups(tiny_reference):
     """Two groups of 4; each member cut after 0..9 tokens of its own seeded continuation, as APRIL
     aborts and resumes them (prompt + partial, a fresh request with the group's prompt as prefix)."""
-    _, model = tiny
+    _, model = tiny_reference
     rs = np.random.RandomState(2)
     prompts = [rs.randint(0, 160, size=n).tolist() for n in (21, 40)]
     full = {}
@@ -101,8 +96,8 @@ def resume(prompts, full, cut, shared: bool, seed_offset=1):
     return out
 
 
-def test_resumed_members_share_one_prompt_prefill(tiny, resumed_groups):
-    _, model = tiny
+def test_resumed_members_share_one_prompt_prefill(tiny_reference, resumed_groups):
+    _, model = tiny_reference
     prompts, full, cut = resumed_groups
     shared, shared_stats = run(model, resume(prompts, full, cut, shared=True), samples_per_prompt=4)
     separate, separate_stats = run(model, resume(prompts, full, cut, shared=False), samples_per_prompt=4)
@@ -114,14 +109,14 @@ def test_resumed_members_share_one_prompt_prefill(tiny, resumed_groups):
     assert separate_stats.prefill_tokens == 4 * sum(map(len, prompts)) + partial_tokens
 
 
-def test_greedy_resume_from_a_shared_prefix_continues_the_uninterrupted_run(tiny, resumed_groups):
-    ref, model = tiny
+def test_greedy_resume_from_a_shared_prefix_continues_the_uninterrupted_run(tiny_reference, resumed_groups):
+    ref, model = tiny_reference
     prompts, _, cut = resumed_groups
     uninterrupted = {g: run(model, [Request("x", p, 24, GREEDY)])[0]["x"] for g, p in enumerate(prompts)}
     requests = [Request(f"{g}/{j}", p + uninterrupted[g].token_ids[: cut[f"{g}/{j}"]], 24 - cut[f"{g}/{j}"], GREEDY,
                         shared_prefix_len=len(p)) for g, p in enumerate(prompts) for j in range(4)]
     out, _ = run(model, requests, samples_per_prompt=4)
-    for g, p in enumerate(prompts):
+    for g in range(len(prompts)):
         for j in range(4):
             n = cut[f"{g}/{j}"]
             got = out[f"{g}/{j}"]
@@ -137,10 +132,10 @@ def test_merge_buckets_joins_a_bucket_to_the_next_when_the_padding_fits():
     assert merge_buckets(by_bucket, len, 48) == {32: ["a", "b", "c", "d"]}
 
 
-def test_merged_length_buckets_give_the_same_tokens_in_fewer_calls(tiny, resumed_groups, workload):
+def test_merged_length_buckets_give_the_same_tokens_in_fewer_calls(tiny_reference, resumed_groups, workload):
     """Prompts of 21 and 40 tokens (prefill buckets 32 and 64) and partials of 0-9 tokens (extend
     buckets 8 and 16): one call per bucket, or one for all."""
-    _, model = tiny
+    _, model = tiny_reference
     prompts, full, cut = resumed_groups
     for requests in (resume(prompts, full, cut, shared=True), workload):
         apart, apart_stats = run(model, requests, samples_per_prompt=4)
@@ -169,11 +164,11 @@ def resumed(prompts, partials):
                     shared_prefix_len=len(prompts[int(rid[0])])) for rid, r in sorted(partials.items())]
 
 
-def test_held_rows_resume_in_their_slots_as_a_reprefill_would(tiny, resumed_groups):
+def test_held_rows_resume_in_their_slots_as_a_reprefill_would(tiny_reference, resumed_groups):
     """hold_aborted_kv: an aborted row stays in its slot and the resumed request continues there,
     no prefill at all (identical greedy partials each keep their own row); tokens and logprobs
     equal a fresh engine's re-prefill of prompt + partial."""
-    _, model = tiny
+    _, model = tiny_reference
     prompts, _, _ = resumed_groups
     engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4, hold_aborted_kv=True,
                        samples_per_prompt=4)
@@ -191,10 +186,10 @@ def test_held_rows_resume_in_their_slots_as_a_reprefill_would(tiny, resumed_grou
         np.testing.assert_allclose(r.logprobs, reprefilled[rid].logprobs, atol=1e-4)
 
 
-def test_held_rows_give_way_to_new_requests_oldest_first(tiny, resumed_groups):
+def test_held_rows_give_way_to_new_requests_oldest_first(tiny_reference, resumed_groups):
     """8 slots all held, 3 new requests: the 3 oldest held rows are freed; of the resumed members,
     the 5 still held continue in place and the 3 evicted re-prefill, with the same tokens."""
-    _, model = tiny
+    _, model = tiny_reference
     prompts, _, _ = resumed_groups
     engine = JaxEngine(model, max_num_seqs=8, max_model_len=MAX_LEN, decode_steps_per_call=4, hold_aborted_kv=True,
                        samples_per_prompt=4)
@@ -211,10 +206,10 @@ def test_held_rows_give_way_to_new_requests_oldest_first(tiny, resumed_groups):
         np.testing.assert_allclose(r.logprobs, reference[rid].logprobs, atol=1e-4)
 
 
-def test_decode_runs_in_place_when_every_slot_is_in_the_call(tiny, workload):
+def test_decode_runs_in_place_when_every_slot_is_in_the_call(tiny_reference, workload):
     """With all 16 slots busy and a long context the decode program works on the cache where it
     lies (no row gather, no scatter back); its tokens equal the full-batch reference path."""
-    _, model = tiny
+    _, model = tiny_reference
     engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4)
     calls = []
     decode = engine._programs.decode
@@ -233,28 +228,34 @@ def test_decode_runs_in_place_when_every_slot_is_in_the_call(tiny, workload):
         np.testing.assert_allclose(out[r.request_id].logprobs, reference[r.request_id].logprobs, atol=1e-5)
 
 
-def test_hold_and_side_cache_parking_are_exclusive(tiny):
-    _, model = tiny
+def test_hold_and_side_cache_parking_are_exclusive(tiny_reference):
+    _, model = tiny_reference
     with pytest.raises(ValueError, match="hold_aborted_kv"):
         JaxEngine(model, max_num_seqs=4, max_model_len=32, reuse_aborted_kv=True, hold_aborted_kv=True)
 
 
-def test_a_larger_smallest_prefill_bucket_pads_prompts_and_keeps_tokens(tiny, workload):
+def recording_prefill_lengths(engine, seen: set):
+    """A stand-in for `engine._device` that adds each prefill call's prompt-token length to `seen`."""
+    device = engine._device
+
+    def spy(program, *args, **kw):
+        if program is engine._programs.prefill:
+            seen.add(args[5].shape[1])
+        return device(program, *args, **kw)
+
+    return spy
+
+
+def test_a_larger_smallest_prefill_bucket_pads_prompts_and_keeps_tokens(tiny_reference, workload):
     """`smallest_prefill_bucket=64`: prompts of 1-70 tokens prefill in buckets 64 and 128 only (fewer
     programs to compile), with the same tokens and logprobs as the default 16-token buckets."""
-    _, model = tiny
+    _, model = tiny_reference
     shapes = {}
     for smallest in (16, 64):
         engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4,
                            smallest_prefill_bucket=smallest)
-        device, seen = engine._device, set()
-
-        def spy(program, *args, **kw):  # records each prefill call's prompt-token shape
-            if program is engine._programs.prefill:
-                seen.add(args[5].shape[1])
-            return device(program, *args, **kw)
-
-        engine._device = spy
+        seen = set()
+        engine._device = recording_prefill_lengths(engine, seen)
         shapes[smallest] = (engine.generate(workload), seen)
     (small, small_lengths), (large, large_lengths) = shapes[16], shapes[64]
     assert min(small_lengths) < 64 and large_lengths <= {64, 128}

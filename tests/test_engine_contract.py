@@ -28,7 +28,7 @@ def vllm_available() -> bool:
     return subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True).returncode == 0
 
 
-@pytest.fixture(scope="module", params=["jax", "sim", "sim_replicas", "vllm"])
+@pytest.fixture(scope="module", params=["jax", "sim", "sim_replicas", pytest.param("vllm", marks=pytest.mark.slow)])
 def engine(request, vllm_tiny):
     """(engine, the params a weight sync pushes). One engine per kind for the whole module."""
     _, model = vllm_tiny  # the tiny Qwen3 the vLLM servers serve

@@ -247,7 +247,7 @@ def test_dlpack_export_is_zero_copy(dtype):
 def test_cuda_ipc_transport_reaches_a_torch_process():
     """CudaIpcBucket in this (JAX) process; a torch process maps the handle through the vLLM
     worker extension's code and hashes every tensor; two syncs, the second with other weights."""
-    from cuda_ipc_receiver import ReceiverProcess, tensor_sha256
+    from benchmarks.cuda_ipc_receiver import ReceiverProcess, tensor_sha256
 
     models = [qwen3.init_model(SMALL, seed=s) for s in (7, 8)]
     bucket = weights.CudaIpcBucket(weights.named_torch(models[0]))
@@ -293,6 +293,7 @@ def test_host_transports_take_gpu_params(transport, tmp_path):
 # ---------------------------------------------------------------- the device check itself
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 def test_device_check_dry_run_writes_its_summary(tmp_path):
     env = {**os.environ, "DEVICE_CHECK_BUDGET_S": "900"}

@@ -9,14 +9,9 @@ from flax import nnx
 from april_jax.models import hf
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
-from engine_utils import GREEDY, tiny_reference_and_model, transformers_greedy
+from engine_utils import GREEDY, transformers_greedy
 
 SLOTS, MAX_LEN = 5, 96
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_reference_and_model(tmp_path_factory.mktemp("engine"))
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +25,8 @@ def engine_for(model, **kw):
 
 
 @pytest.fixture(scope="module")
-def greedy_outputs(tiny, prompts):
-    _, model = tiny
+def greedy_outputs(tiny_reference, prompts):
+    _, model = tiny_reference
     engine = engine_for(model)
     out = engine.generate([Request(str(i), p, 32, GREEDY) for i, p in enumerate(prompts)])
     return out, engine.stats()
@@ -43,8 +38,8 @@ def teacher_forced_logprobs(model, prompt, response, temperature=1.0):
     return np.asarray(logp)[np.arange(len(response)), response]
 
 
-def test_greedy_matches_transformers_generate(tiny, prompts, greedy_outputs):
-    ref, _ = tiny
+def test_greedy_matches_transformers_generate(tiny_reference, prompts, greedy_outputs):
+    ref, _ = tiny_reference
     out, stats = greedy_outputs
     assert len(prompts) > SLOTS and len({len(p) for p in prompts}) > 8
     for i, p in enumerate(prompts):
@@ -55,16 +50,17 @@ def test_greedy_matches_transformers_generate(tiny, prompts, greedy_outputs):
     assert stats.occupancy > 0.75
 
 
-def test_greedy_logprobs_equal_teacher_forced(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_greedy_logprobs_equal_teacher_forced(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     for i in (0, 7, 15):
         r = out[str(i)]
         np.testing.assert_allclose(r.logprobs, teacher_forced_logprobs(model, prompts[i], r.token_ids), atol=1e-4)
 
 
-def test_sampled_logprobs_equal_teacher_forced_at_temperature(tiny, prompts):
-    _, model = tiny
+@pytest.mark.slow
+def test_sampled_logprobs_equal_teacher_forced_at_temperature(tiny_reference, prompts):
+    _, model = tiny_reference
     engine = engine_for(model)
     for sp in (SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=2)):
         out = engine.generate([Request(str(i), prompts[i], 24, sp) for i in range(6)])
@@ -74,8 +70,8 @@ def test_sampled_logprobs_equal_teacher_forced_at_temperature(tiny, prompts):
             np.testing.assert_allclose(r.logprobs, expected, atol=1e-4)
 
 
-def test_seeded_sampling_is_reproducible_across_slots_and_batches(tiny, prompts):
-    _, model = tiny
+def test_seeded_sampling_is_reproducible_across_slots_and_batches(tiny_reference, prompts):
+    _, model = tiny_reference
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=123)
     alone = engine_for(model).generate([Request("x", prompts[3], 20, sp)])["x"].token_ids
     # Same request, now in another slot among other traffic.
@@ -86,15 +82,15 @@ def test_seeded_sampling_is_reproducible_across_slots_and_batches(tiny, prompts)
     assert other["x"].token_ids != alone
 
 
-def test_top_k_one_is_greedy(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_top_k_one_is_greedy(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     got = engine_for(model).generate([Request("k", prompts[2], 32, SamplingParams(temperature=1.0, top_k=1, seed=5))])
     assert got["k"].token_ids == out["2"].token_ids
 
 
-def test_stop_tokens_and_budgets_end_requests(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_stop_tokens_and_budgets_end_requests(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     full = out["4"].token_ids
     stop = full[10]
@@ -112,8 +108,8 @@ def test_stop_tokens_and_budgets_end_requests(tiny, prompts, greedy_outputs):
     assert len(res["ctx"].token_ids) == MAX_LEN - 90 and res["ctx"].finish_reason == "length"
 
 
-def test_abort_returns_exact_partial_and_resume_completes(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_abort_returns_exact_partial_and_resume_completes(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     engine = engine_for(model, decode_steps_per_call=2)
     engine.submit([Request(str(i), prompts[i], 32, GREEDY) for i in range(8)])
@@ -137,8 +133,8 @@ def test_abort_returns_exact_partial_and_resume_completes(tiny, prompts, greedy_
         assert r.token_ids + resumed[rid].token_ids == out[rid].token_ids
 
 
-def test_bad_requests_fail_alone(tiny, prompts):
-    _, model = tiny
+def test_bad_requests_fail_alone(tiny_reference, prompts):
+    _, model = tiny_reference
     engine = engine_for(model)
     res = engine.generate([
         Request("empty", [], 8, GREEDY),
@@ -153,8 +149,8 @@ def test_bad_requests_fail_alone(tiny, prompts):
     assert engine.stats().errors == 3
 
 
-def test_update_weights_versions_tokens_and_changes_output(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_update_weights_versions_tokens_and_changes_output(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     engine = engine_for(model, decode_steps_per_call=1)
     engine.submit([Request("a", prompts[5], 32, GREEDY)])
@@ -173,8 +169,8 @@ def test_update_weights_versions_tokens_and_changes_output(tiny, prompts, greedy
     assert after.versions == [1] * 32 and engine.policy_version == 1
 
 
-def test_batched_refill_gives_the_same_tokens(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_batched_refill_gives_the_same_tokens(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     engine = engine_for(model, min_prefill_batch=3)
     got = engine.generate([Request(str(i), p, 32, GREEDY) for i, p in enumerate(prompts)])
@@ -182,8 +178,8 @@ def test_batched_refill_gives_the_same_tokens(tiny, prompts, greedy_outputs):
     assert engine.stats().prefill_tokens == sum(map(len, prompts))
 
 
-def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     stop = out["4"].token_ids[10]
     requests = [Request(f"g{i}", p, 32, GREEDY, stop_token_ids=(stop,)) for i, p in enumerate(prompts)]
@@ -203,8 +199,8 @@ def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny, prompts,
     assert stats.decode_calls * 3 < stats.decode_steps
 
 
-def test_requests_with_the_same_prompt_share_one_prefill(tiny, prompts):
-    _, model = tiny
+def test_requests_with_the_same_prompt_share_one_prefill(tiny_reference, prompts):
+    _, model = tiny_reference
     requests = [Request(f"{g}-{j}", prompts[g], 16, SamplingParams(1.0, seed=10 * g + j)) for g in range(3)
                 for j in range(4)]
     engine = engine_for(model, max_num_seqs=12, samples_per_prompt=4)
@@ -218,8 +214,8 @@ def test_requests_with_the_same_prompt_share_one_prefill(tiny, prompts):
         np.testing.assert_allclose(shared[request.request_id].logprobs, alone.logprobs, atol=1e-5)
 
 
-def test_reused_aborted_kv_resumes_exactly_like_an_uninterrupted_run(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_reused_aborted_kv_resumes_exactly_like_an_uninterrupted_run(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     engine = engine_for(model, reuse_aborted_kv=True, decode_steps_per_call=2)
     engine.submit([Request(str(i), prompts[i], 32, GREEDY) for i in range(8)])
@@ -244,8 +240,8 @@ def test_reused_aborted_kv_resumes_exactly_like_an_uninterrupted_run(tiny, promp
     assert engine.stats().kv_reused == SLOTS
 
 
-def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny, prompts, greedy_outputs):
-    _, model = tiny
+def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny_reference, prompts, greedy_outputs):
+    _, model = tiny_reference
     out, _ = greedy_outputs
     engine = engine_for(model, reuse_aborted_kv=True, decode_steps_per_call=2)
     engine.submit([Request(str(i), prompts[i], 32, GREEDY) for i in range(SLOTS)])
@@ -271,9 +267,9 @@ def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny, prompts, gree
     assert kept.stats().kv_cache_bytes > 0  # off: sleep keeps the cache
 
 
-def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny):
+def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny_reference):
     """Prompts of 150-250 tokens prefill in buckets of 256 (4 query blocks, the masked ones skipped)."""
-    ref, model = tiny
+    ref, model = tiny_reference
     rs = np.random.RandomState(5)
     long_prompts = [rs.randint(0, 160, size=n).tolist() for n in (150, 200, 250)]
     engine = engine_for(model, max_num_seqs=2, max_model_len=300)
@@ -285,14 +281,12 @@ def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny):
 
 
 @pytest.mark.parametrize("cache_dtype,slots", [(None, SLOTS), (jnp.bfloat16, SLOTS), (None, 1)])
-def test_bf16_engine_logprobs_match_bf16_teacher_forcing(tiny, prompts, tmp_path, cache_dtype, slots):
+def test_bf16_engine_logprobs_match_bf16_teacher_forcing(tiny_hf_checkpoint, prompts, cache_dtype, slots):
     """A bf16 model: the engine's logprobs against the same bf16 model's full forward. They differ
     by bf16 rounding only (keys and values are held exactly: the default cache on CPU is fp32, the
     GPU default is bf16; one slot takes the single-row matmul path); measured max |diff| 0.002
     nats, asserted 0.02."""
-    ref, _ = tiny
-    ref.save_pretrained(tmp_path)
-    model = hf.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+    model = hf.from_pretrained(tiny_hf_checkpoint[0], dtype=jnp.bfloat16)
     engine = engine_for(model, cache_dtype=cache_dtype, max_num_seqs=slots)
     expected_cache = jnp.float32 if cache_dtype is None and jax.default_backend() == "cpu" else jnp.bfloat16
     assert engine._cache.k[0].dtype == expected_cache
@@ -305,9 +299,9 @@ def test_bf16_engine_logprobs_match_bf16_teacher_forcing(tiny, prompts, tmp_path
     assert worst < 0.02, worst
 
 
-def test_timeline_keeps_only_its_latest_points(tiny, prompts):
+def test_timeline_keeps_only_its_latest_points(tiny_reference, prompts):
     """One (time, busy slots) point per decode step, bounded: a long run keeps the newest only."""
-    _, model = tiny
+    _, model = tiny_reference
     engine = engine_for(model, timeline_points=8)
     engine.generate([Request("t", prompts[0], 40, GREEDY)])
     assert engine.stats().decode_steps == 39 > len(engine.timeline) == 8  # the first token is the prefill's

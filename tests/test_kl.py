@@ -11,6 +11,7 @@ import pytest
 from april_jax.models import qwen3
 from april_jax.rl.losses import LossConfig, policy_loss
 from april_jax.rl.train_step import OptimizerConfig, Trainer, token_logprobs
+from tiny_models import TINY_QWEN3
 
 KINDS = ("k1", "k2", "k3")
 
@@ -95,10 +96,6 @@ def test_extreme_inputs_give_finite_gradients(kind):
 
 # ---------------- the trainer's reference ----------------
 
-CFG = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-
-
 def batch(B=4, S=10, seed=0):
     rng = np.random.default_rng(seed)
     mask = np.zeros((B, S - 1), np.float32)
@@ -118,10 +115,10 @@ def test_kl_changes_the_gradient_by_the_numpy_prediction():
     at the policy's and the reference's logprobs, and J^T pulled back through the model by jax.vjp.
     (k3, the kind with clamps; the three kinds' term is checked against numpy above.)"""
     coef, b, kind = 0.3, batch(), "k3"
-    reference = qwen3.init_model(CFG, seed=11)  # a different policy, so that the KL is far from 0
-    with_kl = Trainer(qwen3.init_model(CFG, seed=10), LossConfig(kl_coef=coef, kl_type=kind), OptimizerConfig(),
+    reference = qwen3.init_model(TINY_QWEN3, seed=11)  # a different policy, so that the KL is far from 0
+    with_kl = Trainer(qwen3.init_model(TINY_QWEN3, seed=10), LossConfig(kl_coef=coef, kl_type=kind), OptimizerConfig(),
                       reference=reference, micro_batch_size=2)
-    without = Trainer(qwen3.init_model(CFG, seed=10), LossConfig(kl_coef=0.0), OptimizerConfig())
+    without = Trainer(qwen3.init_model(TINY_QWEN3, seed=10), LossConfig(kl_coef=0.0), OptimizerConfig())
     assert without.ref_params is None, "no reference is kept when kl_coef == 0"
     m_kl, g_kl = with_kl.loss_and_grads(b, 0)
     m_0, g_0 = without.loss_and_grads(b, 0)
@@ -143,7 +140,7 @@ def test_reference_is_the_frozen_initial_policy_and_kl_pulls_back_to_it():
     go, so after the first update the KL to the initial params stays small; with kl_coef = 0
     nothing moves at all."""
     b = dict(batch(seed=1), advantages=np.zeros(4, np.float32))
-    model = qwen3.init_model(CFG, seed=12)
+    model = qwen3.init_model(TINY_QWEN3, seed=12)
     trainer = Trainer(model, LossConfig(kl_coef=1.0, kl_type="k3"), OptimizerConfig(lr=1e-2))
     initial = flat(trainer.params)
     np.testing.assert_array_equal(flat(trainer.ref_params), initial)
@@ -153,5 +150,5 @@ def test_reference_is_the_frozen_initial_policy_and_kl_pulls_back_to_it():
     kls = [trainer.update(b, 0)["train/kl"] for _ in range(4)]
     assert kls[0] > 0 and kls[-1] < 0.5 * kls[0], kls
     with pytest.raises(ValueError, match="loss.ref_path"):
-        Trainer(qwen3.init_model(CFG, seed=12), LossConfig(kl_coef=1.0), OptimizerConfig(),
-                reference=qwen3.init_model(CFG.replace(head_dim=16), seed=0))
+        Trainer(qwen3.init_model(TINY_QWEN3, seed=12), LossConfig(kl_coef=1.0), OptimizerConfig(),
+                reference=qwen3.init_model(TINY_QWEN3.replace(head_dim=16), seed=0))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from april_jax.data import reverse
 
@@ -31,8 +32,6 @@ def test_prompt_lengths_are_long_tailed():
 
 
 def test_reverse_lengths_key_sets_the_tail_and_bad_values_name_the_key():
-    import pytest
-
     from april_jax import config as config_lib
     from april_jax.config import ConfigError
     from april_jax.training.task import build_task
@@ -94,6 +93,7 @@ def without_timings(rows):
     return [{k: v for k, v in r.items() if not is_timing(k)} for r in rows]
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_metrics_and_another_seed_does_not(tmp_path):
     first = run_train(tmp_path / "a", "--config.seed=1")
     again = run_train(tmp_path / "b", "--config.seed=1")

@@ -3,6 +3,7 @@ collectives, started by `python -m april_jax.cli.launch`) against 1 process x 8 
 mesh. Asserts identical metrics and checkpoints, a resume of the 2-process checkpoint in one
 process, that only process 0 writes the workdir's files, and the launcher's failure handling."""
 
+import concurrent.futures as cf
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 
 from april_jax.training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow  # jax.distributed training runs through the launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
@@ -44,17 +47,26 @@ def run_job(workdir, nprocs: int, devices: int, steps: int = STEPS, logs=None) -
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("two_processes")
-    run_job(workdir, 2, 4, logs=tmp_path_factory.mktemp("launch_logs"))
-    return workdir
+def both_runs(tmp_path_factory):
+    """(2 x 4 workdir, 1 x 8 workdir), the two jobs run side by side: they compile different
+    programs (4 local devices of 8 against 8), so neither waits for the other's cache."""
+    two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
+    with cf.ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = [pool.submit(run_job, two, 2, 4, logs=tmp_path_factory.mktemp("launch_logs")),
+                pool.submit(run_job, one, 1, 8)]
+        for job in jobs:
+            job.result()
+    return two, one
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("one_process")
-    run_job(workdir, 1, 8)
-    return workdir
+def two_processes(both_runs):
+    return both_runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_process(both_runs):
+    return both_runs[1]
 
 
 def _timing(key: str) -> bool:
@@ -98,7 +110,7 @@ def test_two_processes_match_one_process_checkpoints(two_processes, one_process)
         assert a.keys() == b.keys() and len(a) > 5
         for name in a:
             np.testing.assert_array_equal(a[name], b[name], err_msg=f"checkpoint {step}: {name}")
-        meta = lambda w: json.loads((w / "checkpoints" / str(step) / "meta" / "metadata").read_text())
+        meta = lambda w, step=step: json.loads((w / "checkpoints" / str(step) / "meta" / "metadata").read_text())
         ma, mb = meta(two_processes), meta(one_process)
         for m in (ma, mb):
             m["config"].pop("workdir")

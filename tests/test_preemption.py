@@ -98,6 +98,7 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_signals_save_the_last_finished_step_and_the_resume_is_identical(uninterrupted, tmp_path):
     workdir, log = tmp_path / "run", tmp_path / "stderr"
 
@@ -133,6 +134,7 @@ def test_signals_save_the_last_finished_step_and_the_resume_is_identical(uninter
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_sigterm_under_launch_stops_every_process_at_one_step(tmp_path):
     """2 processes x 2 CPU devices: the launcher passes SIGTERM on; both processes stop after the
     same step (each prints the same line), save it together (one complete orbax checkpoint) and exit

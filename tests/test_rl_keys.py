@@ -17,6 +17,7 @@ from april_jax.rl.train_step import make_schedule
 from april_jax.rollout.april import April
 from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.sim_engine import SimEngine
+from tiny_models import TINY_QWEN3
 
 
 def config(**overrides):
@@ -65,9 +66,7 @@ def test_one_staleness_key_drives_rollout_and_loss():
 def test_kl_reference_from_ref_path_or_saved_after_warmup(tmp_path):
     from april_jax.training.builders import build_reference
 
-    cfg = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    policy, other = qwen3.init_model(cfg, seed=0), qwen3.init_model(cfg, seed=1)
+    policy, other = qwen3.init_model(TINY_QWEN3, seed=0), qwen3.init_model(TINY_QWEN3, seed=1)
     weight = lambda m: np.asarray(m.embed_tokens[...])
     assert build_reference(config(loss__kl_coef=0.0, loss__ref_path="x"), None, policy, tmp_path, True) is None
     hf.save_pretrained(other, tmp_path / "ref")

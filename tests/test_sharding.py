@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from april_jax.models import hf, qwen3, sharding
-from hf_utils import hf_logits, save_tiny
+from hf_utils import hf_logits
+from tiny_models import TINY_QWEN3
 
 IDS = np.random.RandomState(1).randint(0, 160, size=(4, 12))
 
@@ -36,15 +37,8 @@ def test_logical_rules_replicate_indivisible_dims():
     assert sharding.logical_to_spec(("norm",), (64,), mesh) == P(None)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    ref = save_tiny(path, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
-    return path, ref
-
-
-def test_sharded_forward_equals_single_device(checkpoint):
-    path, ref = checkpoint
+def test_sharded_forward_equals_single_device(tiny_hf_checkpoint):
+    path, ref = tiny_hf_checkpoint
     single = hf.from_pretrained(path)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded = hf.from_pretrained(path, mesh=mesh)
@@ -62,11 +56,9 @@ def test_sharded_forward_equals_single_device(checkpoint):
 
 
 def test_init_model_on_mesh_is_sharded():
-    cfg = qwen3.Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
-    model = qwen3.init_model(cfg, seed=0, mesh=mesh)
+    model = qwen3.init_model(TINY_QWEN3, seed=0, mesh=mesh)
     assert model.embed_tokens[...].sharding.spec == P("tensor", "fsdp")
-    reference = qwen3.init_model(cfg, seed=0)
-    ids = jnp.asarray(IDS % 128, jnp.int32)
+    reference = qwen3.init_model(TINY_QWEN3, seed=0)
+    ids = jnp.asarray(IDS % TINY_QWEN3.vocab_size, jnp.int32)
     np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(reference(ids)), atol=2e-5)

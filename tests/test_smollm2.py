@@ -48,6 +48,7 @@ def jax_greedy(model, prompts, max_new_tokens, stop_ids):
     return [out[str(i)].token_ids for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 def test_export_hf_writes_tokenizer_and_eos_and_generates_like_jax(smollm2, tmp_path):
     """A run's checkpoint (real SmolLM2 weights, saved as training saves them, with the model config's
     eos_token_id missing as for a model.arch run) exported by the CLI: AutoTokenizer and

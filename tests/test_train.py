@@ -14,7 +14,6 @@ import pytest
 import torch
 import transformers
 
-from april_jax import config as config_lib
 from april_jax.cli.ckpt import describe
 from april_jax.training.metrics import read_metrics
 
@@ -57,6 +56,7 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_run_writes_named_metrics(uninterrupted):
     rows = read_metrics(uninterrupted)
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -66,6 +66,7 @@ def test_run_writes_named_metrics(uninterrupted):
     assert json.loads((uninterrupted / "config.json").read_text())["rollout"]["engine"] == "jax"
 
 
+@pytest.mark.slow
 def test_ckpt_inspect_and_export_hf(uninterrupted, tmp_path):
     info = describe(uninterrupted)
     assert info["step"] == STEPS and info["policy_version"] == STEPS
@@ -88,6 +89,7 @@ def test_ckpt_inspect_and_export_hf(uninterrupted, tmp_path):
     assert np.abs(np.asarray(ours(jnp.asarray(ids, jnp.int32))) - ref).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_is_identical_to_an_uninterrupted_run(uninterrupted, tmp_path):
     """SIGKILL after checkpoint 2, resume: every metric but wall-clock time equals the uninterrupted
     run's (params, optimiser, data order, APRIL buffer and the engine's sampling seeds all restored)."""
@@ -184,17 +186,40 @@ def test_missing_dataset_file_and_missing_checkpoint_fail_cleanly(tmp_path):
     assert cli.returncode == 2 and cli.stderr.strip() == f"error: {tmp_path / 'none'}: checkpoint not found"
 
 
-def test_smollm2_gsm8k_one_step_smoke(tmp_path):
-    """Real weights (SmolLM2-135M-Instruct), real data (GSM8K test problems), math-verify rewards."""
-    workdir = tmp_path / "smol"
+SMOKE = "test_smollm2_gsm8k_one_step_smoke"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def smollm2_smoke_run(request, tmp_path_factory):
+    """(workdir, process, stderr file) of the SmolLM2 smoke run, started with the module when its test
+    is selected: its minutes of mostly single-threaded compiling overlap the tiny runs above."""
+    if not any(item.name == SMOKE for item in request.session.items):
+        yield None
+        return
+    workdir = tmp_path_factory.mktemp("smol") / "w"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/smollm2_gsm8k.py"),
            f"--config.workdir={workdir}", "--config.train.total_steps=1", "--config.rollout.rollout_batch_size=1",
            "--config.rollout.n_samples_per_prompt=2", "--config.rollout.over_sampling_batch_size=2",
            "--config.rollout.max_response_len=32", "--config.train.micro_batch_size=2", "--config.log.tensorboard=false",
            "--config.eval.num_prompts=4"]  # the step-0 greedy eval on 4 of the GSM8K problems, not all 100
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(workdir.parent / "stderr", "w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=ROOT)
+        try:
+            yield workdir, proc, err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_smollm2_gsm8k_one_step_smoke(smollm2_smoke_run):
+    """Real weights (SmolLM2-135M-Instruct), real data (GSM8K test problems), math-verify rewards."""
+    workdir, proc, err = smollm2_smoke_run
+    returncode = proc.wait(timeout=900)
+    err.seek(0)
+    assert returncode == 0, err.read()[-3000:]
     [row] = read_metrics(workdir)
     assert row["rollout/groups"] == 1 and row["rollout/tokens"] > 0 and np.isfinite(row["train/loss"])
     assert describe(workdir)["step"] == 1

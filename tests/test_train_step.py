@@ -4,7 +4,6 @@ import dataclasses
 import itertools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -17,9 +16,7 @@ from april_jax.rl.train_step import OptimizerConfig, Trainer
 from april_jax.rollout.april import April
 from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.jax_engine import JaxEngine
-
-CFG = qwen3.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+from tiny_models import TINY_QWEN3
 
 
 def random_batch(B=8, S=12, seed=0, stale=True):
@@ -43,8 +40,8 @@ LOSS = LossConfig(loss_agg_mode="token-mean", kl_coef=0.0, max_staleness=1, stal
 
 def test_micro_batched_equals_full_batch():
     batch = random_batch()
-    full = Trainer(qwen3.init_model(CFG, seed=1), LOSS, OptimizerConfig(lr=1e-3))
-    micro = Trainer(qwen3.init_model(CFG, seed=1), LOSS, OptimizerConfig(lr=1e-3), micro_batch_size=2)
+    full = Trainer(qwen3.init_model(TINY_QWEN3, seed=1), LOSS, OptimizerConfig(lr=1e-3))
+    micro = Trainer(qwen3.init_model(TINY_QWEN3, seed=1), LOSS, OptimizerConfig(lr=1e-3), micro_batch_size=2)
     m_full, g_full = full.loss_and_grads(batch, 4)
     m_micro, g_micro = micro.loss_and_grads(batch, 4)
     np.testing.assert_allclose(float(m_micro["train/loss"]), float(m_full["train/loss"]), rtol=1e-5)
@@ -52,14 +49,15 @@ def test_micro_batched_equals_full_batch():
     assert np.abs(flat(g_full)).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     batch = random_batch(B=8)
     # with a KL term to a reference of other weights: the reference is sharded like the policy
     loss = dataclasses.replace(LOSS, kl_coef=0.1)
-    ref = lambda m=None: qwen3.init_model(CFG, seed=9, mesh=m)
-    single = Trainer(qwen3.init_model(CFG, seed=2), loss, OptimizerConfig(lr=1e-3), reference=ref())
-    sharded = Trainer(qwen3.init_model(CFG, seed=2, mesh=mesh), loss, OptimizerConfig(lr=1e-3), mesh=mesh,
+    ref = lambda m=None: qwen3.init_model(TINY_QWEN3, seed=9, mesh=m)
+    single = Trainer(qwen3.init_model(TINY_QWEN3, seed=2), loss, OptimizerConfig(lr=1e-3), reference=ref())
+    sharded = Trainer(qwen3.init_model(TINY_QWEN3, seed=2, mesh=mesh), loss, OptimizerConfig(lr=1e-3), mesh=mesh,
                       micro_batch_size=4, reference=ref(mesh))
     for r, p in zip(jax.tree.leaves(sharded.ref_params), jax.tree.leaves(sharded.params)):
         assert r.sharding == p.sharding
@@ -75,7 +73,7 @@ def test_sharded_step_equals_single_device():
     assert float(m1["train/kl"]) > 0.01
     np.testing.assert_allclose(flat(g8), flat(g1), atol=1e-6, rtol=1e-4)
     # The 4B/8B configs train sharded with rematerialised layers: same loss and gradients.
-    remat = Trainer(qwen3.init_model(CFG.replace(remat="full"), seed=2, mesh=mesh), loss, OptimizerConfig(lr=1e-3),
+    remat = Trainer(qwen3.init_model(TINY_QWEN3.replace(remat="full"), seed=2, mesh=mesh), loss, OptimizerConfig(lr=1e-3),
                     mesh=mesh, micro_batch_size=4, reference=ref(mesh))
     mr, gr = remat.loss_and_grads(batch, 4)
     np.testing.assert_allclose(float(mr["train/loss"]), float(m1["train/loss"]), rtol=1e-5)
@@ -88,7 +86,7 @@ def test_sharded_step_equals_single_device():
 
 
 def test_nan_step_is_skipped_and_counted():
-    trainer = Trainer(qwen3.init_model(CFG, seed=3), LOSS, OptimizerConfig(lr=1e-2))
+    trainer = Trainer(qwen3.init_model(TINY_QWEN3, seed=3), LOSS, OptimizerConfig(lr=1e-2))
     before = flat(trainer.params)
     batch = random_batch()
     batch["advantages"][0] = np.nan
@@ -102,7 +100,7 @@ def test_nan_step_is_skipped_and_counted():
 
 def test_grpo_raises_reward_on_a_tiny_task():
     """Reward = fraction of response tokens equal to 7; the random policy starts near 1/64."""
-    model = qwen3.init_model(CFG, seed=4)
+    model = qwen3.init_model(TINY_QWEN3, seed=4)
     rng = np.random.default_rng(0)
     prompts = (PromptRecord(f"p{i}", rng.integers(10, 64, 3).tolist()) for i in itertools.count())
     reward = lambda s, prompt: float(np.mean(np.asarray(s.response_ids) == 7))
@@ -129,7 +127,7 @@ def test_pi_old_is_fixed_per_rollout_batch_so_epoch_2_can_clip():
     """verl computes pi_old once per rollout batch: from the second PPO epoch on the ratio leaves 1
     and the clip binds. Recomputing it every epoch (what an unprepared `step` does) never clips."""
     batch = random_batch(seed=5, stale=False)
-    trainer = Trainer(qwen3.init_model(CFG, seed=6), LossConfig(clip_eps_low=0.05, clip_eps_high=0.05, tis=None),
+    trainer = Trainer(qwen3.init_model(TINY_QWEN3, seed=6), LossConfig(clip_eps_low=0.05, clip_eps_high=0.05, tis=None),
                       OptimizerConfig(lr=3e-2))
     before = np.asarray(trainer.logprobs(batch["input_ids"]))
     prepared = trainer.prepare(batch)

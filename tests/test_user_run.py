@@ -13,6 +13,8 @@ import pytest
 
 from april_jax.training.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # a training run through the CLI
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
 

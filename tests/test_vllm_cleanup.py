@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from april_jax.rollout.vllm import weights
-from april_jax.rollout.vllm import proctree
+from april_jax.rollout.vllm import proctree, weights
 from april_jax.rollout.vllm.server import SIDECAR, kill_stale, shm_record_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,6 +280,7 @@ def generate_one(engine, rid: str) -> list[int]:
     return engine.generate([Request(rid, [1, 2, 3], 8, SamplingParams(0.0))])[rid].token_ids
 
 
+@pytest.mark.slow
 def test_a_sigkilled_watchdog_is_noticed_and_its_whole_server_replaced(launched):
     from april_jax.rollout.vllm.server import healthy
 
@@ -300,6 +300,7 @@ def test_a_sigkilled_watchdog_is_noticed_and_its_whole_server_replaced(launched)
     assert not old.pids() and len(fresh.pids()) >= 5 and not shm_left(shared)
 
 
+@pytest.mark.slow
 def test_a_sigkilled_api_server_s_engine_core_and_worker_are_stopped_by_the_watchdog(launched):
     server = launched.servers[0]
     watchdog = server.proc.pid

@@ -19,18 +19,15 @@ from april_jax.rollout.types import Request, SamplingParams
 from april_jax.rollout.vllm.engine import VllmEngine
 from vllm_servers import ROOT, VLLM_PYTHON, vllm_python
 
+pytestmark = pytest.mark.slow  # a vLLM server of its own, and the training CLI on vLLM
+
 GREEDY = SamplingParams(0.0)
 
 
 @pytest.fixture(scope="module")
-def tiny(vllm_tiny):
-    return vllm_tiny
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
+def engine(vllm_tiny):
     # a server of its own (not the session's pair): the kill test below restarts an owned server
-    eng = VllmEngine(tiny[0], python=vllm_python(), max_model_len=512, max_num_seqs=16)
+    eng = VllmEngine(vllm_tiny[0], python=vllm_python(), max_model_len=512, max_num_seqs=16)
     yield eng
     eng.shutdown()
     assert not eng.servers[0].alive()
@@ -42,8 +39,8 @@ def prompts():
     return [rs.randint(0, 160, size=rs.randint(2, 20)).tolist() for _ in range(6)]
 
 
-def test_greedy_tokens_and_logprobs_match_the_jax_engine(tiny, engine, prompts):
-    _, model = tiny
+def test_greedy_tokens_and_logprobs_match_the_jax_engine(vllm_tiny, engine, prompts):
+    _, model = vllm_tiny
     ours = JaxEngine(model, max_num_seqs=8, max_model_len=128).generate(
         [Request(str(i), p, 24, GREEDY) for i, p in enumerate(prompts)])
     theirs = engine.generate([Request(str(i), p, 24, GREEDY) for i, p in enumerate(prompts)])
@@ -55,16 +52,16 @@ def test_greedy_tokens_and_logprobs_match_the_jax_engine(tiny, engine, prompts):
         assert b.versions == [engine.policy_version] * 24
 
 
-def test_stop_ids_end_requests_like_the_jax_engine(tiny, engine, prompts):
-    _, model = tiny
+def test_stop_ids_end_requests_like_the_jax_engine(vllm_tiny, engine, prompts):
+    _, model = vllm_tiny
     full = JaxEngine(model, max_num_seqs=2, max_model_len=128).generate([Request("f", prompts[0], 24, GREEDY)])["f"]
     stop = full.token_ids[5]
     got = engine.generate([Request("s", prompts[0], 24, GREEDY, stop_token_ids=(stop,))])["s"]
     assert got.token_ids == full.token_ids[: full.token_ids.index(stop) + 1] and got.finish_reason == "stop"
 
 
-def test_abort_returns_partial_and_resume_completes(tiny, engine, prompts):
-    _, model = tiny
+def test_abort_returns_partial_and_resume_completes(vllm_tiny, engine, prompts):
+    _, model = vllm_tiny
     n = 400
     full = JaxEngine(model, max_num_seqs=2, max_model_len=512).generate([Request("f", prompts[1], n, GREEDY)])["f"]
     for attempt in range(3):
@@ -86,8 +83,8 @@ def test_abort_returns_partial_and_resume_completes(tiny, engine, prompts):
     assert partial.token_ids + rest.token_ids == full.token_ids
 
 
-def test_weight_sync_from_jax_changes_vllm_output_to_match(tiny, engine, prompts):
-    _, model = tiny
+def test_weight_sync_from_jax_changes_vllm_output_to_match(vllm_tiny, engine, prompts):
+    _, model = vllm_tiny
     before = engine.generate([Request("b", prompts[2], 24, GREEDY)])["b"]
     new_params = jax.tree.map(lambda x: x * 1.3, nnx.state(model))
     engine.update_weights(new_params, engine.policy_version + 1)
@@ -100,8 +97,8 @@ def test_weight_sync_from_jax_changes_vllm_output_to_match(tiny, engine, prompts
     assert engine.generate([Request("c", prompts[2], 24, GREEDY)])["c"].token_ids == before.token_ids
 
 
-def test_file_transport_on_an_attached_server_syncs_the_same_weights(tiny, engine, prompts):
-    _, model = tiny
+def test_file_transport_on_an_attached_server_syncs_the_same_weights(vllm_tiny, engine, prompts):
+    _, model = vllm_tiny
     attached = VllmEngine(urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16,
                           weight_transport="file", shared_dir=engine.transport_dir)
     new_params = jax.tree.map(lambda x: x * 0.8, nnx.state(model))
@@ -119,10 +116,10 @@ def test_file_transport_on_an_attached_server_syncs_the_same_weights(tiny, engin
     assert not latest.exists()
 
 
-def test_cuda_ipc_transport_refuses_cpu_params_with_a_clear_error(tiny):
+def test_cuda_ipc_transport_refuses_cpu_params_with_a_clear_error(vllm_tiny):
     from april_jax.rollout.vllm import weights
 
-    named = weights.named_torch(nnx.state(tiny[1]))
+    named = weights.named_torch(nnx.state(vllm_tiny[1]))
     with pytest.raises(ValueError, match="'cuda_ipc' needs the trainer's parameters on a CUDA device.*use 'shm'"):
         weights.CudaIpcBucket(named)
 
@@ -182,13 +179,13 @@ def test_train_cli_on_vllm_stops_on_sigterm_and_the_rerun_finishes(tmp_path):
     assert out.stdout.strip() == "", "the vLLM server outlived the training run"
 
 
-def test_server_killed_mid_rollout_recovers_and_completes(tiny, engine, prompts):
-    _, model = tiny
+def test_server_killed_mid_rollout_recovers_and_completes(vllm_tiny, engine, prompts):
+    _, model = vllm_tiny
     n = 480  # long enough to still be running when the server dies
     full = JaxEngine(model, max_num_seqs=4, max_model_len=512).generate(
         [Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
     old_pid = engine.servers[0].proc.pid
-    for attempt in range(3):
+    for _ in range(3):
         engine.submit([Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
         while sum(len(st["tokens"]) for st in list(engine._live.values())) < 30:  # tokens flowing
             time.sleep(0.01)

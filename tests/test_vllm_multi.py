@@ -17,13 +17,10 @@ from april_jax.rollout.types import Request, SamplingParams
 from april_jax.rollout.vllm.engine import VllmEngine
 from april_jax.rollout.vllm.server import VllmServer, group_pids
 
+pytestmark = pytest.mark.slow  # the session's pair of vLLM servers
+
 GREEDY = SamplingParams(0.0)
 PROMPTS = [[5, 17, 42, 99], [3, 120, 7], [64, 2, 2, 9, 31], [150, 11], [8, 8, 80, 1, 44, 6]]
-
-
-@pytest.fixture(scope="module")
-def tiny(vllm_tiny):
-    return vllm_tiny
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +31,9 @@ def cluster(vllm_cluster):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny, vllm_cluster):
+def engine(vllm_tiny, vllm_cluster):
     eng = vllm_cluster.engine()
-    eng.update_weights(nnx.state(tiny[1]), 0)  # the checkpoint's weights, whatever ran on the servers before
+    eng.update_weights(nnx.state(vllm_tiny[1]), 0)  # the checkpoint's weights, whatever ran on the servers before
     yield eng
     eng.shutdown()
 
@@ -88,13 +85,13 @@ def side_by_side(engine, requests_for, rounds=4):
     pytest.fail(f"in {rounds} rounds one request always finished before two streamed on each server")
 
 
-def test_requests_are_spread_over_both_servers(tiny, cluster, engine):
+def test_requests_are_spread_over_both_servers(vllm_tiny, cluster, engine):
     servers, key, _, _ = cluster
     before = [metric(s, key, "vllm:request_success_total") for s in servers]
     got = engine.generate([Request(str(i), p, 12, GREEDY) for i, p in enumerate(PROMPTS * 2)])
     after = [metric(s, key, "vllm:request_success_total") for s in servers]
     assert [a - b for a, b in zip(after, before)] == [5, 5]  # round robin over 10 requests
-    expected = jax_greedy(tiny[1], 12)
+    expected = jax_greedy(vllm_tiny[1], 12)
     assert all(got[str(i)].token_ids == expected[str(i % len(PROMPTS))] for i in range(10))
 
 
@@ -106,7 +103,7 @@ def test_abort_reaches_both_servers(cluster, engine):
     servers, key, _, _ = cluster
     n = 480
     for attempt in range(3):
-        requests = side_by_side(engine, lambda r: [Request(f"long{attempt}.{r}.{i}", PROMPTS[i], n, GREEDY)
+        requests = side_by_side(engine, lambda r, attempt=attempt: [Request(f"long{attempt}.{r}.{i}", PROMPTS[i], n, GREEDY)
                                                    for i in range(4)])  # round robin: two on each
         ids = [r.request_id for r in requests]
         aborted = engine.abort_all()
@@ -125,9 +122,9 @@ def test_abort_reaches_both_servers(cluster, engine):
             time.sleep(0.1)
 
 
-def test_weight_sync_reaches_both_servers(tiny, cluster, engine):
+def test_weight_sync_reaches_both_servers(vllm_tiny, cluster, engine):
     servers, key, transport, _ = cluster
-    _, model = tiny
+    _, model = vllm_tiny
     scaled = jax.tree.map(lambda x: x * 1.3, nnx.state(model))
     expected = jax_greedy(nnx.merge(nnx.graphdef(model), scaled), 12)
     assert expected != jax_greedy(model, 12)
@@ -138,12 +135,12 @@ def test_weight_sync_reaches_both_servers(tiny, cluster, engine):
         assert {k: r.token_ids for k, r in got.items()} == expected, server.url
 
 
-def test_a_server_lost_mid_rollout_is_recovered(tiny, cluster, engine):
+def test_a_server_lost_mid_rollout_is_recovered(vllm_tiny, cluster, engine):
     """After the previous test both servers hold the scaled weights: the lost server's requests
     resume on the other, and the restarted server (fresh, with the checkpoint's weights) must be
     re-synced before it serves again."""
     servers, key, _, _ = cluster
-    _, model = tiny
+    _, model = vllm_tiny
     n = 400
     scaled = nnx.merge(nnx.graphdef(model), jax.tree.map(lambda x: x * 1.3, nnx.state(model)))
     expected = jax_greedy(scaled, n)

@@ -30,24 +30,19 @@ ENGINE_ROUTES = {("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), (
 
 
 @pytest.fixture(scope="module")
-def tiny(vllm_tiny):
-    return vllm_tiny
-
-
-@pytest.fixture(scope="module")
-def engine(tiny, vllm_cluster):
+def engine(vllm_tiny, vllm_cluster):
     # the last server: test_vllm_multi kills and restarts the first
     eng = vllm_cluster.engine(urls=vllm_cluster.urls[-1:])
-    eng.update_weights(nnx.state(tiny[1]), 0)  # the checkpoint's weights, whatever ran on the server before
+    eng.update_weights(nnx.state(vllm_tiny[1]), 0)  # the checkpoint's weights, whatever ran on the server before
     yield eng
     eng.shutdown()
 
 
 @pytest.fixture(scope="module")
-def other_weights(tiny, engine):
+def other_weights(vllm_tiny, engine):
     """A valid safetensors file of different weights inside the transport folder, and the greedy
     tokens the server must give once it loads them (positive control for every refusal below)."""
-    _, model = tiny
+    _, model = vllm_tiny
     before = greedy(engine)
     file = engine.transport_dir / "other.safetensors"
     weights.write_safetensors(weights.named_torch(jax.tree.map(lambda x: x * 1.3, nnx.state(model))), file)
@@ -77,6 +72,7 @@ def greedy(engine) -> list[int]:
     return engine.generate([Request("g", PROMPT, 16, GREEDY)])["g"].token_ids
 
 
+@pytest.mark.slow
 def test_every_route_refuses_a_caller_without_the_key(engine):
     status, text = call(engine, "/openapi.json", method="GET")
     assert status == 200
@@ -95,6 +91,7 @@ def test_every_route_refuses_a_caller_without_the_key(engine):
     assert call(engine, "/health", method="GET", key=None)[0] == 200  # liveness only, runs nothing
 
 
+@pytest.mark.slow
 def test_refused_control_calls_change_nothing(engine, other_weights):
     file, before = other_weights
     refused = [("/collective_rpc", {"method": "april_update_from_file", "args": [str(file)]}),
@@ -115,6 +112,7 @@ def test_refused_control_calls_change_nothing(engine, other_weights):
     assert result.finish_reason == "length" and len(result.token_ids) == 400
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["outside", "symlink", "dotdot"])
 def test_weight_files_outside_the_transport_folder_are_refused(engine, other_weights, tmp_path, where):
     file, before = other_weights
@@ -147,6 +145,7 @@ class _WritesAMarker:
         return open, (self.marker, "w")
 
 
+@pytest.mark.slow
 def test_a_pickled_payload_is_never_unpickled(engine, other_weights, tmp_path):
     _, before = other_weights
     marker = tmp_path / "unpickled"

@@ -127,6 +127,7 @@ def smollm2_run(tmp_path_factory):
             kill_stale(pidfile)
 
 
+@pytest.mark.slow
 def test_vllm_serves_the_llama_checkpoint_launched_by_the_trainer(smollm2_run):
     trainer, workdir, pidfile = smollm2_run
     from april_jax import assets
@@ -155,6 +156,7 @@ def test_vllm_serves_the_llama_checkpoint_launched_by_the_trainer(smollm2_run):
     assert "Paris" in text, text
 
 
+@pytest.mark.slow
 def test_sigkilled_trainer_takes_its_vllm_server_along(smollm2_run):
     from april_jax.rollout.vllm import proctree
 
@@ -206,6 +208,7 @@ def test_an_unusable_vllm_interpreter_is_one_line_naming_the_key_and_the_path(tm
     assert expected in _train_with_vllm_python(tmp_path, path)
 
 
+@pytest.mark.slow
 def test_a_real_server_that_fails_to_start_is_one_line_with_vllm_s_reason_and_its_log(tmp_path):
     """A real vLLM that refuses the model (a context longer than the model's positions) exits
     before it is healthy: the trainer says vLLM's own reason and the log file, no traceback."""

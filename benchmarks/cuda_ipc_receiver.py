@@ -2,7 +2,7 @@
 GPU that maps the trainer's buffer through the real worker-extension code
 (`april_jax.rollout.vllm.worker_ext.WeightUpdateExt.april_update_from_cuda_ipc`) and reports what it saw.
 
-    python tests/cuda_ipc_receiver.py --mode hash|copy   (PYTHONPATH = the repository root)
+    python -m benchmarks.cuda_ipc_receiver --mode hash|copy   (from the repository root)
 
 Reads one payload (`CudaIpcBucket.payload()`) per stdin line, answers one JSON line per payload:
 {"tensors": n, "seconds": t, "sha256": {name: digest}} with `--mode hash` (each tensor's bytes,
@@ -68,7 +68,8 @@ class ReceiverProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         self.timeout_s = timeout_s
         self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--mode", mode, "--device", str(device)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.cuda_ipc_receiver", "--mode", mode,
+                                      "--device", str(device)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                                      env=env)
         self._lines: queue.Queue = queue.Queue()

@@ -1,7 +1,7 @@
 """How much of the free limit any schedule of uniform (or two-lane) concurrency can reach under a
 staleness cap, on a roofline preset: a fixed-point estimate, not a simulation. Prints JSON.
 
-    python benchmarks/rollout_cap_estimate.py [--cost h200-qwen3-4b] [--replicas 8] [--steps-of-time 4 4.5 5]
+    python -m benchmarks.probes.rollout_cap_estimate [--cost h200-qwen3-4b] [--replicas 8] [--steps-of-time 4 4.5 5]
 
 Why: a response advances one token per decode step, so a max_response_len response must be
 decoded within the time of the steps its cap allows (4 to 5 steps at max_staleness 4, depending

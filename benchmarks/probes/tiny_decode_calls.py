@@ -1,6 +1,6 @@
 """Milliseconds per JaxEngine decode call of the tiny model at several busy-row counts (JSON).
 
-    python benchmarks/tiny_decode_calls.py [--steps-per-call 2] [--full]
+    python -m benchmarks.probes.tiny_decode_calls [--steps-per-call 2] [--full]
 
 The tiny config's model shape (configs/tiny.py: 2 layers, width 64, vocabulary 16), random
 weights, 128 slots, max_model_len 48, sampled at temperature 0.7: for each row count, 6 rounds of
@@ -11,15 +11,11 @@ first (which prefills). `--full` runs the uncompacted reference path (`compact_d
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from april_jax.models import qwen3  # noqa: E402
-from april_jax.rollout.jax_engine import JaxEngine  # noqa: E402
-from april_jax.rollout.types import Request, SamplingParams  # noqa: E402
+from april_jax.models import qwen3
+from april_jax.rollout.jax_engine import JaxEngine
+from april_jax.rollout.types import Request, SamplingParams
 
 
 def main() -> None:

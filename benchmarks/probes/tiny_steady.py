@@ -1,6 +1,6 @@
 """Steady-state rollout seconds per step of a short tiny run (no eval), compiles taken out.
 
-    python benchmarks/tiny_steady.py NAME [--config.x=value ...]
+    python -m benchmarks.probes.tiny_steady NAME [--config.x=value ...]
 
 Trains `configs/tiny.py` for 14 steps (persistent compile cache off) in /tmp/tiny_steady/NAME and prints one JSON line: the
 median and mean over steps 2-13 of `time/rollout_s - time/rollout_compile_s`, the compile seconds,
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
