@@ -18,10 +18,13 @@ versions, staleness and, on vLLM, the weight transfer are those of training; not
 
 Figures (per mode, over the steps after `--warmup-steps`; the warm-up steps are reported apart):
 - delivered tokens/s: response tokens of the groups handed to training over the time of those
-  steps (rollout and weight syncs); tokens still in APRIL's buffer at the end do not count;
-  `delivered_speedup` is APRIL's over sync's;
+  steps (rollout and weight syncs) less their JAX compile seconds (`compile_clock`: the extend
+  programs of APRIL's first resumes compile when first met; a training run pays that once, not
+  every few steps); tokens still in APRIL's buffer at the end do not count. `delivered_speedup` is
+  APRIL's over sync's, `delivered_speedup_with_compiles` the same with the compiles left in;
 - delivered response lengths (mean, p50, p90, max), dropped tokens (every step), the off-policy
-  token fraction (tokens of an older version than their step's);
+  token fraction (tokens of an older version than their step's), prefill tokens, and where the
+  time went (`time_split_s`: engine steps, JAX's apart when they prefilled, weight syncs, the rest);
 - `step_cost`: ms per engine step at each number of running requests seen, and `ceiling`, the most
   tokens/s those costs allow (`step_cost.py`); `ceiling_over_sync` is the largest speedup any
   schedule could show over the sync run measured here.
@@ -103,7 +106,8 @@ def build_engine(args, model, model_path: str, max_model_len: int, prefill_bucke
     from april_jax.rollout.vllm.server import find_vllm_python
 
     engine = VllmEngine(model_path, python=find_vllm_python(args.vllm_python), max_num_seqs=args.slots,
-                        max_model_len=max_model_len, seed=args.seed, kv_cache_bytes=VLLM_KV_BYTES)
+                        max_model_len=max_model_len, seed=args.seed, kv_cache_bytes=VLLM_KV_BYTES,
+                        startup_timeout=900.0)  # 30-40 s idle; minutes on a loaded 2-core box
     return StepCostMeter(engine, window_s=VLLM_WINDOW_S, decode_only=False)
 
 
@@ -124,31 +128,40 @@ def lengths_summary(lengths: list[int]) -> dict:
             "p90": float(np.percentile(a, 90)), "max": int(a.max())}
 
 
+def rate(part: dict) -> dict:
+    """Delivered tokens/s of some steps: their compile seconds taken out (programs met for the first
+    time; a training run pays each once over hundreds of steps), and with them."""
+    steady = part["time_s"] - part["compile_s"]
+    return {"delivered_tokens": part["tokens"], "time_s": round(part["time_s"], 2),
+            "compile_s": round(part["compile_s"], 2), "delivered_tokens_per_s": round(part["tokens"] / steady, 2),
+            "delivered_tokens_per_s_with_compiles": round(part["tokens"] / part["time_s"], 2)}
+
+
 def run_mode(mode: str, engine, params, prompts, cfg: RolloutConfig, args) -> dict:
-    """`args.steps` steps of one mode; the figures of the steps after the warm-up."""
+    """`args.steps` steps of one mode; the figures of the steps after the warm-up, and theirs apart."""
     from april_jax import compile_clock
 
     april = April(cfg, prompts)
     engine.update_weights(params, 0)
     w = args.warmup_steps
-    parts = {"warmup": dict(tokens=0, time_s=0.0), "measured": dict(tokens=0, time_s=0.0)}
+    parts = {name: dict(tokens=0, time_s=0.0, compile_s=0.0) for name in ("warmup", "measured")}
     lengths, dropped, on_policy, sync_s, truncated = [], 0, 0, 0.0, 0
-    s0 = None
-    wall0, compile0 = time.perf_counter(), compile_clock.seconds()
+    wall0 = time.perf_counter()
     for step in range(args.steps):
         part = parts["warmup" if step < w else "measured"]
         if step == w:
-            s0, compile_w = engine.stats(), compile_clock.seconds()
-        t0 = engine.now()
+            s0, seconds0 = engine.stats(), dict(engine.seconds)
+        t0, c0 = engine.now(), compile_clock.seconds()
         groups, m = april.collect(engine, version=step)
         assert len(groups) == cfg.rollout_batch_size and all(len(g.samples) == cfg.n_samples_per_prompt for g in groups)
         t1 = engine.now()
-        engine.update_weights(params, step + 1)
-        sync_s += engine.now() - t1 if step >= w else 0.0
+        engine.update_weights(params, step + 1)  # the same weights, the next version: as a train step would
         part["time_s"] += engine.now() - t0
+        part["compile_s"] += compile_clock.seconds() - c0
         part["tokens"] += m["rollout/tokens"]
         dropped += m["rollout/dropped_tokens"]
         if step >= w:
+            sync_s += engine.now() - t1
             for g in groups:
                 for s in g.samples:
                     lengths.append(len(s.response_ids))
@@ -156,20 +169,21 @@ def run_mode(mode: str, engine, params, prompts, cfg: RolloutConfig, args) -> di
                     truncated += s.status == "truncated"
     s1 = engine.stats()
     steps = s1.decode_steps - s0.decode_steps
-    measured = parts["measured"]
-    buffered = [len(s.response_ids) for g in april.buffer.groups() for s in g.samples]
-    out = {"delivered_tokens": measured["tokens"], "time_s": round(measured["time_s"], 2),
-           "delivered_tokens_per_s": round(measured["tokens"] / measured["time_s"], 2),
-           "delivered_len": lengths_summary(lengths), "truncated_frac": round(truncated / len(lengths), 3),
-           "dropped_tokens": dropped, "off_policy_token_frac": round(1 - on_policy / measured["tokens"], 4),
-           "buffered_groups_end": len(april.buffer), "buffered_tokens_end": sum(buffered),
-           "occupancy": round((s1.busy_slot_steps - s0.busy_slot_steps) / (steps * s1.slots), 3) if steps else 0.0,
-           "weight_sync_s": round(sync_s, 2), "compile_s": round(compile_clock.seconds() - compile_w, 2),
-           "warmup": {"steps": w, "delivered_tokens": parts["warmup"]["tokens"],
-                      "time_s": round(parts["warmup"]["time_s"], 2),
-                      "delivered_tokens_per_s": round(parts["warmup"]["tokens"] / parts["warmup"]["time_s"], 2)},
-           "wall_s": round(time.perf_counter() - wall0, 1), "compile_s_all_steps": round(compile_clock.seconds() - compile0, 2)}
-    return out
+    tokens = parts["measured"]["tokens"]
+    # where the measured time went: engine steps (decode alone, or with a prefill: JAX), the weight
+    # syncs, and the rest (APRIL's bookkeeping, submits, aborts; compiles are inside the steps)
+    split = {k: round(engine.seconds[k] - seconds0[k], 2) for k in seconds0}
+    split["weight_sync"] = round(sync_s, 2)
+    split["other"] = round(parts["measured"]["time_s"] - sum(split.values()), 2)
+    return {**rate(parts["measured"]), "delivered_len": lengths_summary(lengths),
+            "truncated_frac": round(truncated / len(lengths), 3), "dropped_tokens": dropped,
+            "off_policy_token_frac": round(1 - on_policy / tokens, 4),
+            "buffered_groups_end": len(april.buffer),
+            "buffered_tokens_end": sum(len(s.response_ids) for g in april.buffer.groups() for s in g.samples),
+            "occupancy": round((s1.busy_slot_steps - s0.busy_slot_steps) / (steps * s1.slots), 3) if steps else 0.0,
+            "time_split_s": split, "prefill_tokens": s1.prefill_tokens - s0.prefill_tokens,
+            "warmup": {"steps": w, **rate(parts["warmup"])},
+            "wall_s": round(time.perf_counter() - wall0, 1)}
 
 
 def compare(args) -> dict:
@@ -212,6 +226,8 @@ def compare(args) -> dict:
            "over_sampling": cfg.over_sampling_batch_size, "max_staleness": cfg.max_staleness,
            "refill": cfg.refill, "inflight": cfg.inflight, "finish_wait": cfg.finish_wait,
            "delivered_speedup": round(april["delivered_tokens_per_s"] / sync["delivered_tokens_per_s"], 3),
+           "delivered_speedup_with_compiles": round(april["delivered_tokens_per_s_with_compiles"]
+                                                    / sync["delivered_tokens_per_s_with_compiles"], 3),
            "april_tokens_per_s": april["delivered_tokens_per_s"], "sync_tokens_per_s": sync["delivered_tokens_per_s"],
            "april": april, "sync": sync,
            "step_cost": {str(b): c for b, c in costs.items()},

@@ -33,6 +33,8 @@ class StepCostMeter:
         # running requests per step (rounded) -> [seconds, decode steps, busy slot-steps]
         self.bins: dict[int, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
         self._mark = None  # (engine seconds, stats) where the open window started
+        # seconds of the windows filed in `bins`, and of those left out for a prefill (JAX)
+        self.seconds = {"binned": 0.0, "with_prefill": 0.0}
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -42,7 +44,10 @@ class StepCostMeter:
         steps = stats.decode_steps - s0.decode_steps
         busy = stats.busy_slot_steps - s0.busy_slot_steps
         prefilled = stats.prefill_tokens != s0.prefill_tokens
-        if steps > 0 and busy > 0 and not (self.decode_only and prefilled):
+        if self.decode_only and prefilled:
+            self.seconds["with_prefill"] += now - t0
+        elif steps > 0 and busy > 0:
+            self.seconds["binned"] += now - t0
             b = self.bins[round(busy / steps)]
             b[0] += now - t0
             b[1] += steps
