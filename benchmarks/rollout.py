@@ -4,6 +4,7 @@
                                  [--deployment colocated|disaggregated] [--png busy.png]
     python -m benchmarks.rollout --engine sim --cost cpu-jax       # the earlier CPU-calibrated model, one engine
     python -m benchmarks.rollout --engine jax [--steps 8] [--length-scale 0.03125] [--reuse-aborted-kv]
+    python -m benchmarks.rollout --engine jax|vllm --model asset:smollm2-135m-instruct [--seed 0]   # rollout_real.py
 
 Both modes: 32 groups x 8 samples per step, the seed's long-tailed length distribution (scaled
 for the JAX engine so it fits on CPU). APRIL is the product's defaults (`RolloutConfig()`: what
@@ -221,7 +222,7 @@ def run(mode: str, args) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", choices=["sim", "jax"], default="sim")
+    parser.add_argument("--engine", choices=["sim", "jax", "vllm"], default="sim")
     parser.add_argument("--cost", default="h200-qwen3-4b",
                         help="sim only: a roofline preset (h200-qwen3-4b, h100-qwen3-4b, h200-qwen3-8b) or cpu-jax")
     parser.add_argument("--replicas", type=int, default=None, help="sim only: engine replicas, one per GPU "
@@ -232,7 +233,7 @@ def main():
     parser.add_argument("--train-gpus", type=int, default=None,
                         help="sim, disaggregated: training GPUs beside the rollout replicas (default: as many)")
     parser.add_argument("--train-mfu", type=float, default=None, help="roofline presets: training MFU (default 0.35)")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=None, help="default: 8 (6 with --model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="steps left out of the figures (default: a quarter of --steps, at least 1): APRIL's "
@@ -261,7 +262,15 @@ def main():
     parser.add_argument("--decode-steps-per-call", type=int, default=8, help="jax only")
     parser.add_argument("--png", default=None, help="write busy slots over time for both modes")
     parser.add_argument("--full", action="store_true", help="also print per-step metrics")
+    # a real checkpoint on a real engine (--model, or --engine vllm): benchmarks/rollout_real.py
+    from benchmarks import rollout_real as real
+    real.add_arguments(parser)
     args = parser.parse_args()
+    if real.wanted(args):
+        print(json.dumps(real.compare(args)))
+        return
+    if args.steps is None:
+        args.steps = 8
     if args.replicas is None:
         args.replicas = 8 if args.engine == "sim" and args.cost != "cpu-jax" else 1
     if args.engine == "sim" and args.cost != "cpu-jax" and args.cost not in cost_model.PRESETS:

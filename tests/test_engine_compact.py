@@ -262,3 +262,17 @@ def test_a_larger_smallest_prefill_bucket_pads_prompts_and_keeps_tokens(tiny_ref
     for r in workload:
         assert large[r.request_id].token_ids == small[r.request_id].token_ids, r.request_id
         np.testing.assert_allclose(large[r.request_id].logprobs, small[r.request_id].logprobs, atol=1e-5)
+
+
+def test_warmup_leaves_nothing_to_trace_for_a_run(tiny_reference, workload):
+    """After `warmup`, serving traces no prefill or decode program: the programs it compiled are
+    called with the same static arguments (a retrace costs seconds on a real model, even when the
+    persistent cache then answers the compile)."""
+    _, model = tiny_reference
+    engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4,
+                       smallest_prefill_bucket=64)
+    engine.warmup(modes=("sample",))
+    before = dict(engine_steps.TRACES)
+    sampled = [r for r in workload if r.sampling.temperature > 0 and r.sampling.top_p == 1.0]  # the warmed mode
+    assert len(engine.generate(sampled)) == len(sampled) >= 6
+    assert {k: engine_steps.TRACES[k] - before.get(k, 0) for k in ("prefill", "decode")} == {"prefill": 0, "decode": 0}

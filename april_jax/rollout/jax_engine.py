@@ -258,6 +258,8 @@ class JaxEngine(PollingEngine):
                             jnp.arange(rows, dtype=jnp.int32) % prompts, jnp.zeros((prompts, bucket), jnp.int32),
                             jnp.ones(prompts, jnp.int32), jnp.asarray(z, jnp.float32), jnp.ones(rows, jnp.float32),
                             jnp.asarray(z), jnp.asarray(z), mode=mode)
+            # static arguments spelled as `_decode_step` passes them: a keyword left to its default is
+            # another jit cache key, and the first real call would trace the program again
             for rows in sorted({self._rows_bucket(n) for n in range(1, S + 1)}):
                 z = np.zeros(rows, np.int32)
                 for length in self.length_buckets:
@@ -265,7 +267,7 @@ class JaxEngine(PollingEngine):
                         self._state, self._cache, jnp.zeros(S, jnp.int32), np.full(rows, S, np.int32),
                         np.zeros(rows, bool), z.astype(np.float32), np.ones(rows, np.float32), z, z, z, z,
                         np.full((rows, self._slots.stop_ids.shape[1]), -1, np.int32), np.int32(1), mode=mode,
-                        num_positions=length, steps_per_call=self.decode_steps_per_call)
+                        num_positions=length, steps_per_call=self.decode_steps_per_call, in_place=False)
             if self.compact_decode:  # every slot busy: the in-place program (see _decode_step)
                 z = np.zeros(S, np.int32)
                 self._cache, *_ = P.decode(
