@@ -18,8 +18,8 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from april_jax import config as config_lib
 from april_jax.config import ConfigError

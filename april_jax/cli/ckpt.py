@@ -63,8 +63,8 @@ def check_export_target(out, force: bool = False, step_dir=None) -> None:
 
 
 def export_hf(path, out, force: bool = False) -> None:
-    import orbax.checkpoint as ocp
     import jax
+    import orbax.checkpoint as ocp
     from flax import nnx
 
     from april_jax.models import hf, qwen3
@@ -170,7 +170,7 @@ def main(argv=None) -> None:
             print(f"wrote {args.out}")
     except (CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from april_jax.config.loading import load_config
 from april_jax.runtime import distributed
 from april_jax.runtime.errors import Stopped, TrainingError
 
-
 USAGE = """usage: python -m april_jax.train --config FILE [--config.KEY=VALUE ...]
        python -m april_jax.train --help [KEY.PREFIX]   (e.g. --help rollout, --help loss.kl_coef)
 
@@ -44,7 +43,7 @@ def help_prefix(argv: list[str]) -> str | None:
     return None
 
 
-def fail(message: str) -> "None":
+def fail(message: str) -> None:
     """One clear line on stderr and exit 2: bad input is not a traceback."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)

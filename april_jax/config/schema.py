@@ -97,12 +97,12 @@ class Spec:
         return text
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def specs(cls, prefix: str = "") -> dict[str, Spec]:
     """{dotted key: Spec} of every config key under the dataclass `cls` (internal fields left out).
     Cached (every validate() asks): treat it as read-only."""

@@ -18,7 +18,7 @@ full and drops the habit, so greedy accuracy rises towards the reversal skill th
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -73,7 +73,7 @@ class Qwen3Config:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
 
-    def replace(self, **kw) -> "Qwen3Config":
+    def replace(self, **kw) -> Qwen3Config:
         return dataclasses.replace(self, **kw)
 
     @property
@@ -85,7 +85,7 @@ class Qwen3Config:
         return V * M * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + M
 
     @classmethod
-    def from_hf_config(cls, hf: dict, **overrides) -> "Qwen3Config":
+    def from_hf_config(cls, hf: dict, **overrides) -> Qwen3Config:
         """Model config from a Hugging Face `config.json` dict (model_type qwen3, qwen2, llama)."""
         model_type = hf.get("model_type")
         if model_type not in ("qwen3", "qwen2", "llama"):
@@ -189,14 +189,14 @@ class KVCache(NamedTuple):
     lengths_B: jax.Array
 
     @classmethod
-    def zeros(cls, cfg: Qwen3Config, batch: int, max_len: int, dtype=None) -> "KVCache":
+    def zeros(cls, cfg: Qwen3Config, batch: int, max_len: int, dtype=None) -> KVCache:
         K, D, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
         dtype = dtype or cfg.dtype
         return cls(tuple(jnp.zeros((batch, K, D, max_len), dtype) for _ in range(L)),
                    tuple(jnp.zeros((batch, K, max_len, D), dtype) for _ in range(L)),
                    jnp.zeros((batch,), jnp.int32))
 
-    def put_rows(self, rows_N, other: "KVCache") -> "KVCache":
+    def put_rows(self, rows_N, other: KVCache) -> KVCache:
         """Copy `other`'s rows (all its positions, from 0) into rows `rows_N`; out-of-range rows are dropped."""
         T = other.v[0].shape[2]
         put_k = lambda big, small: big.at[rows_N, :, :, :T].set(small, mode="drop")
@@ -204,7 +204,7 @@ class KVCache(NamedTuple):
         return KVCache(tuple(map(put_k, self.k, other.k)), tuple(map(put_v, self.v, other.v)),
                        self.lengths_B.at[rows_N].set(other.lengths_B, mode="drop"))
 
-    def take_rows(self, rows_B, num_positions: int) -> "KVCache":
+    def take_rows(self, rows_B, num_positions: int) -> KVCache:
         """A compact cache of rows `rows_B` (out-of-range rows read the last row), first
         `num_positions` positions: the busy rows of a decode call, only as long as they need, so
         attention reads no free slot and no position past the bucket."""
@@ -212,7 +212,7 @@ class KVCache(NamedTuple):
         return KVCache(tuple(k[rows_B, :, :, :num_positions] for k in self.k),
                        tuple(v[rows_B, :, :num_positions] for v in self.v), self.lengths_B[rows_B])
 
-    def put_new_positions(self, rows_B, small: "KVCache", start_B, count: int) -> "KVCache":
+    def put_new_positions(self, rows_B, small: KVCache, start_B, count: int) -> KVCache:
         """Write back what `small` (from `take_rows(rows_B, ...)`) gained: positions start_B ..
         small.lengths_B - 1 of each row (at most `count`) into rows `rows_B`, and their lengths.
         Out-of-range rows are dropped. A scatter of the new positions only, not of whole rows."""
@@ -345,7 +345,7 @@ def _block_causal_attention(q_BKGTD, keys_BKDS, values_BKSD, mask_BTS, dtype, nu
     return jnp.concatenate(outs, axis=3)
 
 
-def _use_cudnn(cfg: "Qwen3Config") -> bool:
+def _use_cudnn(cfg: Qwen3Config) -> bool:
     if cfg.attention_impl == "cudnn":
         return True
     return (cfg.attention_impl == "auto" and jax.default_backend() == "gpu"

@@ -9,7 +9,7 @@ odd head counts still load on any mesh.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np

@@ -63,7 +63,7 @@ class LossConfig:
     max_staleness: int = internal(4, "tokens older than this many policy versions are masked (rollout.max_staleness)")
     staleness_decay: float = key(0.9, "per-token weight decay ** (current version - token's version)", gt=0, le=1)
 
-    def validate(self) -> "LossConfig":
+    def validate(self) -> LossConfig:
         check_fields(self, "loss")
         if self.tis not in ("token", "sequence", None):
             raise ValueError(f"loss.tis={self.tis!r}: expected one of ('token', 'sequence', None)")

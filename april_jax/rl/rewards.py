@@ -34,7 +34,8 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from april_jax.config.schema import ConfigError
 from april_jax.data import reverse
@@ -209,7 +210,7 @@ class PendingScores:
     """The rewards of one submission, in order; `result()` blocks, turns failures into 0 and counts
     them on the model once."""
 
-    def __init__(self, model: "RewardModel", futures: list, sizes: list[int], adjust=None, samples=()):
+    def __init__(self, model: RewardModel, futures: list, sizes: list[int], adjust=None, samples=()):
         self.model, self.futures, self.sizes = model, futures, sizes
         self.adjust, self.samples = adjust, samples
         self._result: list[float] | None = None

@@ -3,7 +3,7 @@ policy with non-zero reward when a model is trained from scratch)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

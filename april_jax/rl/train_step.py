@@ -92,8 +92,8 @@ def _nest(flat: dict[tuple, object]) -> dict:
     out: dict = {}
     for path, value in flat.items():
         node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
         node[path[-1]] = value
     return out
 

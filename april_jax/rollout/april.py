@@ -33,7 +33,7 @@ import concurrent.futures
 import dataclasses
 import math
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 

@@ -69,7 +69,7 @@ class RolloutConfig:
     top_k: int = key(0, "sample among the k most likely tokens; 0: all", ge=0)
     stop_token_ids: tuple[int, ...] = internal((), "token ids that end a response (from the task's tokenizer)")
 
-    def validate(self) -> "RolloutConfig":
+    def validate(self) -> RolloutConfig:
         check_fields(self, "rollout")
         if self.over_sampling_batch_size < self.rollout_batch_size:
             raise ValueError(f"rollout.over_sampling_batch_size={self.over_sampling_batch_size}: must be >= "

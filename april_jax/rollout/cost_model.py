@@ -205,7 +205,7 @@ class LinearCPU:
     kv_budget_bytes: float = math.inf
 
     @classmethod
-    def for_slots(cls, slots: int, **kw) -> "LinearCPU":
+    def for_slots(cls, slots: int, **kw) -> LinearCPU:
         # The embedded JAX engine computes every slot each step, busy or idle: flat in busy.
         return cls(t0=0.010 + 0.00094 * slots, **kw)
 
@@ -258,7 +258,7 @@ def delivered_ctx_sum(prompt_len: int, response_len: int) -> int:
 
 
 def time_lower_bound_s(cost, *, tokens: int, ctx_sum: int, prompt_lens: list[int], slots: int, replicas: int,
-                       syncs: int = 0, windows: "StalenessWindows | None" = None) -> float:
+                       syncs: int = 0, windows: StalenessWindows | None = None) -> float:
     """Least engine time in which `replicas` replicas can decode `tokens` tokens whose contexts sum to
     `ctx_sum`, prefill each prompt (one per group: `prompt_lens`) once, and do `syncs` weight syncs, under `cost`.
 
@@ -300,11 +300,11 @@ class StalenessWindows:
     measured window) in which those tokens may have been generated; `steps` training steps in all.
     A response with no constraint (still buffered) has first = 0, last = steps - 1."""
 
-    tokens: "object"  # numpy arrays, one entry per response
-    sqrt_ctx: "object"
-    ctx: "object"
-    first: "object"
-    last: "object"
+    tokens: object  # numpy arrays, one entry per response
+    sqrt_ctx: object
+    ctx: object
+    first: object
+    last: object
     steps: int
 
     def __len__(self) -> int:
@@ -334,7 +334,6 @@ def staleness_bound_steps(cost, w: StalenessWindows, S: float, mu=None):
     a = w.tokens * c0
     A = c1 * w.sqrt_ctx ** 2
     e = w.ctx / cost.kv_budget_tokens
-    span = (w.last - w.first + 1).astype(float)
     if mu is None:
         mu = _slopes(w, np.full(w.steps, S / w.steps), a, A, e, c1)
     # min over W > a of max(A / (W - a), e) + mu W: at W = a + sqrt(A / mu) while that is left of
@@ -392,7 +391,7 @@ def staleness_bound_s(cost, w: StalenessWindows, floor_steps: float, total, free
     for _ in range(4):
         mu = best_multipliers(cost, w, S_ref)
 
-        def needs(S):
+        def needs(S, mu=mu):
             return total(max(floor_steps, staleness_bound_steps(cost, w, S, mu)[0]))
 
         lo, hi = 0.0, max(free, S_ref)

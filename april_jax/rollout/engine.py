@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable, Iterator, Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator
+from typing import Protocol, runtime_checkable
 
 from april_jax.rollout.types import Request, Result
 

@@ -38,7 +38,7 @@ import collections
 import dataclasses
 import math
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +47,10 @@ from flax import nnx
 
 from april_jax.models.qwen3 import KVCache, Qwen3
 from april_jax.rollout import engine_steps, sampling
+from april_jax.rollout.engine import TIMELINE_POINTS, EngineStats, PollingEngine
 from april_jax.rollout.engine_steps import bucket_for, length_buckets, pow2_at_least
 from april_jax.rollout.jax_slots import Slots
 from april_jax.rollout.kv_park import KVParking
-from april_jax.rollout.engine import TIMELINE_POINTS, EngineStats, PollingEngine
 from april_jax.rollout.types import Request, Result
 
 # Cache length buckets of decode and extend calls start here: below it attention is a small part

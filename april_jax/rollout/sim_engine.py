@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import math
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

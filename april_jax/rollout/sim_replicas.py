@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 from april_jax.rollout.engine import PollingEngine
 from april_jax.rollout.sim_engine import SimEngine, SimEngineStats, group_of

@@ -119,6 +119,6 @@ class Group:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Group":
+    def from_dict(cls, d: dict) -> Group:
         return cls(d["group_id"], PromptRecord(**d["prompt"]), [Sample(**s) for s in d["samples"]])
 

@@ -65,7 +65,7 @@ class _StopAwareEngine:
     """A rollout engine whose `step()` raises Abandoned once a stop signal arrived; everything
     else is the engine's own."""
 
-    def __init__(self, engine, stop: "StopSignal"):
+    def __init__(self, engine, stop: StopSignal):
         self.engine, self.stop = engine, stop
 
     def step(self):
@@ -100,7 +100,7 @@ class StopSignal:
         partial state is not kept, the checkpoint is of the last finished step."""
         return _StopAwareEngine(engine, self)
 
-    def install(self) -> "StopSignal":
+    def install(self) -> StopSignal:
         import signal
         import threading
 

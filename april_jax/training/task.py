@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from april_jax import config as config_lib
 from april_jax.config import ConfigError

@@ -52,12 +52,12 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
-from april_jax.rollout.vllm import weights
 from april_jax.rollout.engine import EngineStats, PollingEngine
 from april_jax.rollout.types import Request, Result
+from april_jax.rollout.vllm import weights
 from april_jax.rollout.vllm.server import VllmServer, VllmSetupError, healthy
 from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
 

@@ -27,7 +27,6 @@ from flax import nnx
 from april_jax.models.hf import hf_name
 from april_jax.models.safetensors_io import layout, save_file
 
-
 TRANSPORT_PREFIX = "april_jax_weights_"
 
 
