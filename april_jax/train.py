@@ -100,8 +100,18 @@ def _build(c, workdir: Path, lock, mesh, task: Task, cleanup, stop, started: flo
     trainer, ckpt, warmed_up = _build_trainer(c, workdir, lock, mesh, task, cleanup)
     scorer = GroupScorer(task.reward, task.decode, task.decode_prompt, _overlong_penalty(c))
     april = April(config_lib.rollout_cfg(c, task.stop_ids), task.train, MarkFailedRewards(scorer, task.reward))
-    run = Run(c, workdir, task, trainer, april, ckpt, RunState(c, trainer, april, task.train, task.reward),
-              GroupScorer(task.reward, task.decode, task.decode_prompt), stop, started)
+    run = Run(
+        c,
+        workdir,
+        task,
+        trainer,
+        april,
+        ckpt,
+        RunState(c, trainer, april, task.train, task.reward),
+        GroupScorer(task.reward, task.decode, task.decode_prompt),
+        stop,
+        started,
+    )
     latest = _resume(run)
     if distributed.is_main():
         _open_metrics(run, cleanup)
@@ -136,9 +146,15 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup):
     warmed_up = fresh and bool(c.warmup.steps)
     if warmed_up:  # fresh run: supervised warm-up before RL on the task's examples
         _warm_up(c, model, task)
-    trainer = Trainer(model, config_lib.loss_cfg(c), config_lib.optimizer_cfg(c), mesh=mesh,
-                      micro_batch_size=c.train.micro_batch_size or None, temperature=c.rollout.temperature or 1.0,
-                      reference=build_reference(c, mesh, model, workdir, fresh=fresh))
+    trainer = Trainer(
+        model,
+        config_lib.loss_cfg(c),
+        config_lib.optimizer_cfg(c),
+        mesh=mesh,
+        micro_batch_size=c.train.micro_batch_size or None,
+        temperature=c.rollout.temperature or 1.0,
+        reference=build_reference(c, mesh, model, workdir, fresh=fresh),
+    )
     return trainer, ckpt, warmed_up
 
 
@@ -146,8 +162,9 @@ def _warm_up(c, model, task: Task) -> None:
     from april_jax.rl import sft
 
     examples = task.warmup_examples(c.seed, 20_000)
-    losses = sft.warmup(model, examples, steps=c.warmup.steps, lr=c.warmup.lr, batch_size=c.warmup.batch_size,
-                        seed=c.seed)
+    losses = sft.warmup(
+        model, examples, steps=c.warmup.steps, lr=c.warmup.lr, batch_size=c.warmup.batch_size, seed=c.seed
+    )
     print(f"supervised warm-up: {c.warmup.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=sys.stderr)
 
 
@@ -156,8 +173,11 @@ def _overlong_penalty(c):
     from april_jax.rl.advantages import overlong_penalty
 
     def penalised(sample, r):
-        return r + float(overlong_penalty(len(sample.response_ids), c.rollout.max_response_len,
-                                          c.reward.overlong_buffer, c.reward.overlong_factor))
+        return r + float(
+            overlong_penalty(
+                len(sample.response_ids), c.rollout.max_response_len, c.reward.overlong_buffer, c.reward.overlong_factor
+            )
+        )
 
     return penalised if c.reward.overlong_buffer else None
 
@@ -165,14 +185,22 @@ def _overlong_penalty(c):
 def _resume(run: Run) -> int | None:
     """Restore the latest checkpoint into the run, if there is one; its step (None: a fresh run)."""
     trainer = run.trainer
-    restored = run.ckpt.restore_latest(trainer.params, trainer.opt_state, trainer.param_shardings,
-                                       trainer.opt_shardings, log=lambda line: print(line, file=sys.stderr))
+    restored = run.ckpt.restore_latest(
+        trainer.params,
+        trainer.opt_state,
+        trainer.param_shardings,
+        trainer.opt_shardings,
+        log=lambda line: print(line, file=sys.stderr),
+    )
     if restored is None:
         return None
     latest, trainer.params, trainer.opt_state, meta = restored
     run.state.restore(meta)
-    print(f"resumed from {run.ckpt.directory / str(latest)} (step {run.state.step}, version {run.state.version}, "
-          f"{len(run.april.buffer)} buffered groups)", file=sys.stderr)
+    print(
+        f"resumed from {run.ckpt.directory / str(latest)} (step {run.state.step}, version {run.state.version}, "
+        f"{len(run.april.buffer)} buffered groups)",
+        file=sys.stderr,
+    )
     return latest
 
 
@@ -183,9 +211,15 @@ def _open_metrics(run: Run, cleanup) -> None:
     c, workdir = run.c, run.workdir
     for name in ("metrics.jsonl", "delivered.jsonl"):
         truncate_log(workdir / name, run.state.step)
-    run.writer = MetricsWriter(workdir, tensorboard=c.log.tensorboard, progress=c.log.progress,
-                               total_steps=c.train.total_steps, wandb_project=c.log.wandb_project,
-                               wandb_mode=c.log.wandb_mode, config=json.loads(c.to_json()))
+    run.writer = MetricsWriter(
+        workdir,
+        tensorboard=c.log.tensorboard,
+        progress=c.log.progress,
+        total_steps=c.train.total_steps,
+        wandb_project=c.log.wandb_project,
+        wandb_mode=c.log.wandb_mode,
+        config=json.loads(c.to_json()),
+    )
     cleanup.callback(run.writer.close)
 
 
@@ -194,8 +228,9 @@ def _start_engine(run: Run, cleanup) -> None:
     from april_jax.training.builders import build_engine
 
     c = run.c
-    run.engine_mesh = distributed.engine_mesh(c.mesh.to_dict(),
-                                              c.rollout.engine_devices if c.rollout.engine == "jax" else 0)
+    run.engine_mesh = distributed.engine_mesh(
+        c.mesh.to_dict(), c.rollout.engine_devices if c.rollout.engine == "jax" else 0
+    )
     engine_model = distributed.engine_model(run.trainer, run.engine_mesh)
     if distributed.is_main():
         max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
@@ -223,19 +258,27 @@ def _train_step(run: Run, step: int) -> dict:
     _sync_weights(run)
     t3 = time.perf_counter()
     # compile seconds inside the rollout (engine programs met for the first time) and the step
-    metrics.update({"time/rollout_compile_s": compile1 - compile0,
-                    "time/compile_s": compile_clock.seconds() - compile0})
-    metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
-                    "time/elapsed_s": t3 - run.started,  # since the run began: warm-up and compiles included
-                    "version": run.state.version})
+    metrics.update(
+        {"time/rollout_compile_s": compile1 - compile0, "time/compile_s": compile_clock.seconds() - compile0}
+    )
+    metrics.update(
+        {
+            "time/rollout_s": t1 - t0,
+            "time/train_s": t2 - t1,
+            "time/sync_s": t3 - t2,
+            "time/elapsed_s": t3 - run.started,  # since the run began: warm-up and compiles included
+            "version": run.state.version,
+        }
+    )
     if run.c.eval.every and (step + 1) % run.c.eval.every == 0:
         metrics.update(_evaluate(run))
     _log_delivered(run, step, groups)
     run.skipped_in_a_row = run.skipped_in_a_row + 1 if skipped else 0
     run.finished = run.state.later(step + 1)
     metrics.update(_save_if_due(run, step + 1, skipped))
-    metrics.update({"reward/failures": run.task.reward.failures,
-                    "reward/timeouts": run.task.reward.timeouts})  # eval's too
+    metrics.update(
+        {"reward/failures": run.task.reward.failures, "reward/timeouts": run.task.reward.timeouts}
+    )  # eval's too
     if run.writer is not None:
         run.writer.write(step, metrics)
     _check_skipped(run, step, skipped, shared["rewards_failed"], metrics)
@@ -277,8 +320,7 @@ def _share_batch(run: Run, groups: list) -> tuple[dict | None, dict]:
 def _stop(run: Run, signum: int) -> None:
     """Every process is here at the same step: the collective save of the last finished one, then Stopped."""
     run.stop.signum = signum
-    done = run.ckpt.write_now(run.finished and run.finished(), run.trainer.params, run.trainer.opt_state,
-                              run.last_good)
+    done = run.ckpt.write_now(run.finished and run.finished(), run.trainer.params, run.trainer.opt_state, run.last_good)
     raise Stopped.after(signum, done, run.c.train.total_steps, run.ckpt.directory)
 
 
@@ -340,16 +382,23 @@ def _check_skipped(run: Run, step: int, skipped: bool, rewards_failed: bool, met
     c, in_a_row = run.c, run.skipped_in_a_row
     if not (in_a_row >= c.train.max_skipped_steps or (skipped and step + 1 == c.train.total_steps)):
         return
-    why = ("every reward failed (an exception, NaN or a timeout)" if rewards_failed else
-           f"non-finite loss, gradient or updated parameters (loss {metrics.get('train/loss')}, "
-           f"grad norm {metrics.get('train/grad_norm')})")
+    why = (
+        "every reward failed (an exception, NaN or a timeout)"
+        if rewards_failed
+        else f"non-finite loss, gradient or updated parameters (loss {metrics.get('train/loss')}, "
+        f"grad norm {metrics.get('train/grad_norm')})"
+    )
     kept = f"{run.ckpt.directory / str(run.last_good)}" if run.last_good is not None else "none written"
     if in_a_row >= c.train.max_skipped_steps:
-        raise TrainingError(f"stopped after {in_a_row} skipped steps in a row "
-                            f"(train.max_skipped_steps={c.train.max_skipped_steps}) at step {step}: {why}; "
-                            f"last good checkpoint: {kept}")
-    raise TrainingError(f"the run ended on {in_a_row} skipped step(s) (the last: step {step}): {why}; "
-                        f"last good checkpoint: {kept} (rerun the same command to redo the skipped steps)")
+        raise TrainingError(
+            f"stopped after {in_a_row} skipped steps in a row "
+            f"(train.max_skipped_steps={c.train.max_skipped_steps}) at step {step}: {why}; "
+            f"last good checkpoint: {kept}"
+        )
+    raise TrainingError(
+        f"the run ended on {in_a_row} skipped step(s) (the last: step {step}): {why}; "
+        f"last good checkpoint: {kept} (rerun the same command to redo the skipped steps)"
+    )
 
 
 if __name__ == "__main__":

@@ -62,9 +62,18 @@ def train(config: str, workdir: Path, overrides: list[str]) -> dict:
     (also written to WORKDIR/benchmark_run.json, which `--reuse` reads)."""
     if workdir.exists():
         shutil.rmtree(workdir)
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", config, f"--config.workdir={workdir}",
-           "--config.log.progress=false", "--config.log.tensorboard=false",
-           "--config.train.compile_cache_dir=", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        config,
+        f"--config.workdir={workdir}",
+        "--config.log.progress=false",
+        "--config.log.tensorboard=false",
+        "--config.train.compile_cache_dir=",
+        *overrides,
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     before = loadavg()
     t, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -72,8 +81,12 @@ def train(config: str, workdir: Path, overrides: list[str]) -> dict:
     wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         sys.exit(f"error: training failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
-    timing = {"wall_s": wall, "cpu_s": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime,
-              "loadavg_before": before, "loadavg_after": loadavg()}
+    timing = {
+        "wall_s": wall,
+        "cpu_s": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime,
+        "loadavg_before": before,
+        "loadavg_after": loadavg(),
+    }
     (workdir / "benchmark_run.json").write_text(json.dumps(timing))
     return timing
 
@@ -130,7 +143,7 @@ def plot(runs: list[dict], out: Path, threshold: float) -> None:
         reward = np.array([r["reward/mean"] for r in rows])
         moving = np.convolve(reward, np.ones(MOVING) / MOVING, mode="valid")
         label = mode if run["seed"] == runs[0]["seed"] else None
-        ax_r.plot(t[MOVING - 1:], moving, color=colors[mode], alpha=0.8, lw=1.2, label=label)
+        ax_r.plot(t[MOVING - 1 :], moving, color=colors[mode], alpha=0.8, lw=1.2, label=label)
         evals = [(r["time/elapsed_s"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
         ax_e.plot(*zip(*evals), color=colors[mode], alpha=0.8, lw=1.2, marker=".", label=label)
     ax_r.axhline(threshold, color="gray", ls=":", lw=1)
@@ -159,8 +172,10 @@ def main() -> None:
         sys.exit(f"error: unknown argument {bad[0]!r} (only --config.x=value overrides pass through)")
     config = str(Path(args.config).resolve())
     c = load_config(["x", "--config", config, *overrides])
-    sync = ["--config.rollout.partial_rollout=false",
-            f"--config.rollout.over_sampling_batch_size={c.rollout.rollout_batch_size}"]
+    sync = [
+        "--config.rollout.partial_rollout=false",
+        f"--config.rollout.over_sampling_batch_size={c.rollout.rollout_batch_size}",
+    ]
     out = Path(args.out)
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
@@ -186,14 +201,19 @@ def main() -> None:
     # "not below sync within the spread": APRIL's mean final accuracy >= sync's mean minus half sync's range
     within = np.mean(final["april"]) >= np.mean(final["sync"]) - (max(final["sync"]) - min(final["sync"])) / 2
     overall = {
-        "config": args.config, "seeds": seeds, "overrides": overrides,
-        "rollout_time_ratio": float(statistics.median(ratios)), "rollout_time_ratio_per_seed": ratios,
-        "rollout_time_ratio_steady": float(statistics.median(steady)), "rollout_time_ratio_steady_per_seed": steady,
+        "config": args.config,
+        "seeds": seeds,
+        "overrides": overrides,
+        "rollout_time_ratio": float(statistics.median(ratios)),
+        "rollout_time_ratio_per_seed": ratios,
+        "rollout_time_ratio_steady": float(statistics.median(steady)),
+        "rollout_time_ratio_steady_per_seed": steady,
         "wall_s": {m: spread([by[m, s]["wall_s"] for s in seeds]) for m in ("april", "sync")},
         "cpu_s": {m: spread([by[m, s]["cpu_s"] for s in seeds]) for m in ("april", "sync")},
         "median_rollout_s": {m: spread([by[m, s]["median_rollout_s"] for s in seeds]) for m in ("april", "sync")},
-        "median_rollout_steady_s": {m: spread([by[m, s]["median_rollout_steady_s"] for s in seeds])
-                                    for m in ("april", "sync")},
+        "median_rollout_steady_s": {
+            m: spread([by[m, s]["median_rollout_steady_s"] for s in seeds]) for m in ("april", "sync")
+        },
         "eval_last": {m: spread(final[m]) for m in ("april", "sync")},
         "eval_gain_per_seed": gains,
         "seconds_to_reward": {m: [by[m, s]["seconds_to_reward"] for s in seeds] for m in ("april", "sync")},
@@ -201,7 +221,9 @@ def main() -> None:
         "goal_rollout_time_ratio_le_0.75": bool(statistics.median(ratios) <= 0.75),
         "goal_april_eval_not_below_sync": bool(within),
         "goal_eval_gain_ge_0.3_every_seed": bool(min(gains["april"]) >= 0.3),
-        "loadavg_end": loadavg(), "cpus": os.cpu_count(), "png": args.png,
+        "loadavg_end": loadavg(),
+        "cpus": os.cpu_count(),
+        "png": args.png,
     }
     plot(runs, Path(args.png), args.reward_threshold)
     print(json.dumps(overall, indent=1))

@@ -68,13 +68,18 @@ class ReceiverProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         self.timeout_s = timeout_s
         self._stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.cuda_ipc_receiver", "--mode", mode,
-                                      "--device", str(device)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-                                     env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.cuda_ipc_receiver", "--mode", mode, "--device", str(device)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=env,
+        )
         self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self._lines.put(x) for x in self.proc.stdout] + [self._lines.put("")],
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: [self._lines.put(x) for x in self.proc.stdout] + [self._lines.put("")], daemon=True
+        ).start()
         self.hello = self._answer()
 
     def _answer(self) -> dict:

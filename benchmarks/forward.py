@@ -1,6 +1,6 @@
 """Load time and forward tokens/s of a ~40M-parameter Qwen3 (fp32) on this machine's devices.
 
-    python -m benchmarks.forward [--batch 8] [--seq 512]
+python -m benchmarks.forward [--batch 8] [--seq 512]
 """
 
 from __future__ import annotations
@@ -38,12 +38,22 @@ def main():
     jax.block_until_ready(forward(state, ids))
     compile_s = time.perf_counter() - t
     step_s, _ = timed(forward, state, ids)
-    print(json.dumps({
-        "benchmark": "forward", "backend": jax.default_backend(), "devices": jax.device_count(),
-        "params_m": round(cfg.num_params / 1e6, 1), "batch": args.batch, "seq": args.seq,
-        "load_s": round(load_s, 3), "compile_s": round(compile_s, 2), "forward_s": round(step_s, 4),
-        "forward_tokens_per_s": round(args.batch * args.seq / step_s, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "forward",
+                "backend": jax.default_backend(),
+                "devices": jax.device_count(),
+                "params_m": round(cfg.num_params / 1e6, 1),
+                "batch": args.batch,
+                "seq": args.seq,
+                "load_s": round(load_s, 3),
+                "compile_s": round(compile_s, 2),
+                "forward_s": round(step_s, 4),
+                "forward_tokens_per_s": round(args.batch * args.seq / step_s, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,15 @@ from april_jax.rl.train_step import OptimizerConfig, Trainer
 from benchmarks.gpu_common import device_info, emit, model_config
 from benchmarks.gpu_train_mfu import random_batch
 
-SMALL = qwen3.Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+SMALL = qwen3.Qwen3Config(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 
 
 def flat(tree) -> np.ndarray:
@@ -45,8 +52,11 @@ def main():
     batch = random_batch(base, args.batch, args.seq)
     row = {"benchmark": "gpu_bf16_update", **device_info(), "model": args.model, "lr": args.lr}
     deltas = {}
-    for name, param_dtype, dtype in (("fp32", "float32", "float32"), ("mixed", "float32", "bfloat16"),
-                                     ("bf16", "bfloat16", "bfloat16")):
+    for name, param_dtype, dtype in (
+        ("fp32", "float32", "float32"),
+        ("mixed", "float32", "bfloat16"),
+        ("bf16", "bfloat16", "bfloat16"),
+    ):
         cfg = base.replace(param_dtype=param_dtype, dtype=dtype)
         # pi_old = the behaviour logprobs: one compiled program per precision (the update is the point)
         trainer = Trainer(qwen3.init_model(cfg, seed=0), LossConfig(pi_old="bypass"), OptimizerConfig(lr=args.lr))
@@ -57,7 +67,9 @@ def main():
     ref = deltas["fp32"]
     for name, d in deltas.items():
         row[f"{name}_changed_frac"] = round(float(np.mean(d != 0)), 4)
-        row[f"{name}_update_cosine_vs_fp32"] = round(float(d @ ref / (np.linalg.norm(d) * np.linalg.norm(ref) + 1e-30)), 4)
+        row[f"{name}_update_cosine_vs_fp32"] = round(
+            float(d @ ref / (np.linalg.norm(d) * np.linalg.norm(ref) + 1e-30)), 4
+        )
     emit(row)
 
 

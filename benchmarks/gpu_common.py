@@ -21,9 +21,17 @@ from april_jax.models.qwen3 import PRESETS, Qwen3Config
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 
 # Shapes for --dry-run: every code path of the real run, seconds on 2 CPU cores.
-TINY = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                   max_position_embeddings=4096)
+TINY = Qwen3Config(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
 
 
 def model_config(name: str) -> Qwen3Config:
@@ -41,8 +49,12 @@ def emit(obj: dict) -> None:
 
 def device_info() -> dict:
     device = jax.devices()[0]
-    return {"backend": jax.default_backend(), "device_kind": device.device_kind, "devices": jax.device_count(),
-            "jax": jax.__version__}
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+    }
 
 
 def spec_hbm_bytes_per_s() -> float | None:

@@ -51,8 +51,10 @@ def measure(model, batch: int, args, bandwidth: float) -> dict:
     prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)).tolist()
 
     def run(new_tokens: int, tag: str) -> float:
-        requests = [Request(f"{tag}{i}", p, new_tokens, SamplingParams(temperature=args.temperature, seed=i))
-                    for i, p in enumerate(prompts)]
+        requests = [
+            Request(f"{tag}{i}", p, new_tokens, SamplingParams(temperature=args.temperature, seed=i))
+            for i, p in enumerate(prompts)
+        ]
         t = time.perf_counter()
         out = engine.generate(requests)
         seconds = time.perf_counter() - t
@@ -71,19 +73,31 @@ def measure(model, batch: int, args, bandwidth: float) -> dict:
     stats = engine.stats()
     engine.shutdown()
     decode_tps = batch * (args.long - args.short) / (t_long - t_short)
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * np.dtype(engine._cache_dtype).itemsize
+    kv_per_token = (
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * np.dtype(engine._cache_dtype).itemsize
+    )
     context = args.prompt_len + (args.short + args.long) / 2
     w_bytes = weight_bytes_read_per_step(model)
     roofline = batch * bandwidth / (w_bytes + batch * context * kv_per_token)
     cache_roofline = batch * bandwidth / (w_bytes + batch * max_len * kv_per_token)
-    return {"batch": batch, "decode_tokens_per_s": round(decode_tps, 1),
-            "roofline_tokens_per_s": round(roofline, 1), "fraction_of_roofline": round(decode_tps / roofline, 4),
-            "cache_roofline_tokens_per_s": round(cache_roofline, 1),
-            "fraction_of_cache_roofline": round(decode_tps / cache_roofline, 4),
-            "step_ms": round(1e3 * batch / decode_tps, 3), "weight_bytes": w_bytes,
-            "kv_bytes_per_token": kv_per_token, "mean_context": context, "max_model_len": max_len,
-            "cache_dtype": str(np.dtype(engine._cache_dtype)), "t_short_s": round(t_short, 4),
-            "t_long_s": round(t_long, 4), "warmup_s": round(warm_s, 2), "decode_calls": stats.decode_calls}
+    return {
+        "batch": batch,
+        "decode_tokens_per_s": round(decode_tps, 1),
+        "roofline_tokens_per_s": round(roofline, 1),
+        "fraction_of_roofline": round(decode_tps / roofline, 4),
+        "cache_roofline_tokens_per_s": round(cache_roofline, 1),
+        "fraction_of_cache_roofline": round(decode_tps / cache_roofline, 4),
+        "step_ms": round(1e3 * batch / decode_tps, 3),
+        "weight_bytes": w_bytes,
+        "kv_bytes_per_token": kv_per_token,
+        "mean_context": context,
+        "max_model_len": max_len,
+        "cache_dtype": str(np.dtype(engine._cache_dtype)),
+        "t_short_s": round(t_short, 4),
+        "t_long_s": round(t_long, 4),
+        "warmup_s": round(warm_s, 2),
+        "decode_calls": stats.decode_calls,
+    }
 
 
 def main():
@@ -108,11 +122,22 @@ def main():
     cfg = model_config(args.model).replace(param_dtype="bfloat16", dtype="bfloat16")
     model = qwen3.init_model(cfg, seed=0)
     for batch in (int(b) for b in args.batches.split(",")):
-        row = {"benchmark": "gpu_engine_decode", **info, "model": args.model, "params_m": round(cfg.num_params / 1e6, 1),
-               "dtype": "bfloat16", "prompt_len": args.prompt_len, "short": args.short, "long": args.long,
-               "temperature": args.temperature, "steps_per_call": args.steps_per_call,
-               "hbm_bytes_per_s_used": round(bandwidth, 1), "hbm_bandwidth_source": "spec sheet" if spec else "measured copy",
-               "measured_copy_bytes_per_s": round(measured, 1), "goal_fraction_at_64": GOAL_FRACTION_AT_64}
+        row = {
+            "benchmark": "gpu_engine_decode",
+            **info,
+            "model": args.model,
+            "params_m": round(cfg.num_params / 1e6, 1),
+            "dtype": "bfloat16",
+            "prompt_len": args.prompt_len,
+            "short": args.short,
+            "long": args.long,
+            "temperature": args.temperature,
+            "steps_per_call": args.steps_per_call,
+            "hbm_bytes_per_s_used": round(bandwidth, 1),
+            "hbm_bandwidth_source": "spec sheet" if spec else "measured copy",
+            "measured_copy_bytes_per_s": round(measured, 1),
+            "goal_fraction_at_64": GOAL_FRACTION_AT_64,
+        }
         try:
             row.update(measure(model, batch, args, bandwidth))
         except Exception as e:

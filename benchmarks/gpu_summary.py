@@ -21,8 +21,21 @@ from pathlib import Path
 
 GOAL_MFU = 0.45
 GOAL_ENGINE_FRACTION_AT_64 = 0.60
-PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint", "torch",
-            "transformers", "safetensors", "numpy", "ml-dtypes", "pytest")
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "jax-cuda13-plugin",
+    "jax-cuda12-plugin",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "torch",
+    "transformers",
+    "safetensors",
+    "numpy",
+    "ml-dtypes",
+    "pytest",
+)
 
 
 def environment() -> dict:
@@ -33,8 +46,12 @@ def environment() -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         env["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         env["nvidia_smi"] = f"unavailable: {e}"
@@ -83,8 +100,9 @@ def junit_outcomes(path: Path) -> dict:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (node.get("message") or node.text or "")[:1500]
                 break
-        cases.append({"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time") or 0),
-                      "message": message})
+        cases.append(
+            {"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time") or 0), "message": message}
+        )
     counts: dict[str, int] = {}
     for c in cases:
         counts[c["outcome"]] = counts.get(c["outcome"], 0) + 1
@@ -95,14 +113,22 @@ def goals(benchmarks: dict, mode: str) -> dict:
     """The goals (train-step MFU, engine decode vs roofline), judged only on a GPU (a dry run's figures are CPU noise)."""
     judged = mode == "gpu"
     mfus = [r["mfu"] for r in benchmarks.get("gpu_train_mfu", []) if "mfu" in r]
-    at64 = [r["fraction_of_roofline"] for r in benchmarks.get("gpu_engine_decode", [])
-            if r.get("batch") == 64 and "fraction_of_roofline" in r]
+    at64 = [
+        r["fraction_of_roofline"]
+        for r in benchmarks.get("gpu_engine_decode", [])
+        if r.get("batch") == 64 and "fraction_of_roofline" in r
+    ]
     return {
-        "train_step_mfu": {"goal": GOAL_MFU, "best": max(mfus, default=None),
-                           "met": (max(mfus) >= GOAL_MFU) if judged and mfus else None},
+        "train_step_mfu": {
+            "goal": GOAL_MFU,
+            "best": max(mfus, default=None),
+            "met": (max(mfus) >= GOAL_MFU) if judged and mfus else None,
+        },
         "engine_decode_fraction_of_roofline_at_batch_64": {
-            "goal": GOAL_ENGINE_FRACTION_AT_64, "value": at64[0] if at64 else None,
-            "met": (at64[0] >= GOAL_ENGINE_FRACTION_AT_64) if judged and at64 else None},
+            "goal": GOAL_ENGINE_FRACTION_AT_64,
+            "value": at64[0] if at64 else None,
+            "met": (at64[0] >= GOAL_ENGINE_FRACTION_AT_64) if judged and at64 else None,
+        },
     }
 
 
@@ -121,12 +147,23 @@ def summarize(work: Path, out: Path, mode: str, budget_s: float, elapsed_s: floa
     bad_tests = sum(t["counts"].get("failed", 0) + t["counts"].get("error", 0) + ("error" in t) for t in tests.values())
     bad_rows = sum("error" in r for rows in benchmarks.values() for r in rows)
     bad_items = [i["name"] for i in items if i["status"] != "ok"]
-    summary = {"check": "april_jax device check", "mode": mode, "budget_s": budget_s,
-               "elapsed_s": round(elapsed_s, 1), "env": env, "items": items, "tests": tests,
-               "benchmarks": benchmarks, "goals": goals(benchmarks, mode),
-               "problems": {"failed_or_errored_tests": bad_tests, "benchmark_rows_with_error": bad_rows,
-                            "items_not_ok": bad_items},
-               "ok": not (bad_tests or bad_rows or bad_items)}
+    summary = {
+        "check": "april_jax device check",
+        "mode": mode,
+        "budget_s": budget_s,
+        "elapsed_s": round(elapsed_s, 1),
+        "env": env,
+        "items": items,
+        "tests": tests,
+        "benchmarks": benchmarks,
+        "goals": goals(benchmarks, mode),
+        "problems": {
+            "failed_or_errored_tests": bad_tests,
+            "benchmark_rows_with_error": bad_rows,
+            "items_not_ok": bad_items,
+        },
+        "ok": not (bad_tests or bad_rows or bad_items),
+    }
     out.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -138,8 +175,10 @@ def main():
         work, out, mode, budget, elapsed = sys.argv[2:]
         s = summarize(Path(work), Path(out), mode, float(budget), float(elapsed))
         counts = {k: v["counts"] for k, v in s["tests"].items()}
-        print(f"device check ({mode}): ok={s['ok']} tests={counts} problems={s['problems']} goals="
-              f"{json.dumps({k: v.get('met') for k, v in s['goals'].items()})} -> {out}")
+        print(
+            f"device check ({mode}): ok={s['ok']} tests={counts} problems={s['problems']} goals="
+            f"{json.dumps({k: v.get('met') for k, v in s['goals'].items()})} -> {out}"
+        )
         sys.exit(0 if s["ok"] else 1)
     else:
         sys.exit("usage: gpu_summary.py env | summarize WORK OUT MODE BUDGET_S ELAPSED_S")

@@ -47,18 +47,24 @@ def random_batch(cfg: qwen3.Qwen3Config, batch: int, seq: int) -> dict:
     rng = np.random.default_rng(0)
     prompt = seq // 4
     mask = np.zeros((batch, seq - 1), np.float32)
-    mask[:, prompt - 1:] = 1
-    return {"input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32), "loss_mask": mask,
-            "behaviour_logp": np.full((batch, seq - 1), -10.0, np.float32),
-            "versions": np.zeros((batch, seq - 1), np.int32), "advantages": rng.normal(size=batch).astype(np.float32)}
+    mask[:, prompt - 1 :] = 1
+    return {
+        "input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32),
+        "loss_mask": mask,
+        "behaviour_logp": np.full((batch, seq - 1), -10.0, np.float32),
+        "versions": np.zeros((batch, seq - 1), np.int32),
+        "advantages": rng.normal(size=batch).astype(np.float32),
+    }
 
 
 def measure(name: str, remat: str, args, peak: float) -> dict:
-    cfg = model_config(name).replace(param_dtype=args.param_dtype, dtype="bfloat16", remat=remat,
-                                     attention_impl=args.attention_impl)
+    cfg = model_config(name).replace(
+        param_dtype=args.param_dtype, dtype="bfloat16", remat=remat, attention_impl=args.attention_impl
+    )
     batch = random_batch(cfg, args.batch, args.seq)
-    trainer = Trainer(qwen3.init_model(cfg, seed=0), LossConfig(), OptimizerConfig(lr=1e-6),
-                      micro_batch_size=args.micro)
+    trainer = Trainer(
+        qwen3.init_model(cfg, seed=0), LossConfig(), OptimizerConfig(lr=1e-6), micro_batch_size=args.micro
+    )
     t = time.perf_counter()
     first = trainer.step(batch, 0)  # compiles
     compile_s = time.perf_counter() - t
@@ -69,16 +75,28 @@ def measure(name: str, remat: str, args, peak: float) -> dict:
         times.append(time.perf_counter() - t)
     step_s = min(times)
     mfu = step_flops(cfg, args.batch, args.seq) / step_s / peak
-    return {"model": name, "remat": remat, "params_m": round(cfg.num_params / 1e6, 1),
-            "param_dtype": args.param_dtype, "compute_dtype": "bfloat16", "attention_impl": args.attention_impl,
-            "batch": args.batch, "seq": args.seq, "micro_batch": args.micro,
-            "compile_plus_first_step_s": round(compile_s, 2), "step_s": round(step_s, 4),
-            "step_s_all": [round(x, 4) for x in times], "tokens_per_s": round(args.batch * (args.seq - 1) / step_s, 1),
-            "model_tflops_per_step": round(step_flops(cfg, args.batch, args.seq) / 1e12, 3),
-            "achieved_tflops": round(step_flops(cfg, args.batch, args.seq) / step_s / 1e12, 2),
-            "mfu": round(mfu, 4), "loss_finite": bool(np.isfinite(metrics["train/loss"])),
-            "skipped_steps": int(metrics["train/skipped_steps"]), "first_step_skipped": int(first["train/skipped"]),
-            "peak_device_bytes": device_peak_bytes()}
+    return {
+        "model": name,
+        "remat": remat,
+        "params_m": round(cfg.num_params / 1e6, 1),
+        "param_dtype": args.param_dtype,
+        "compute_dtype": "bfloat16",
+        "attention_impl": args.attention_impl,
+        "batch": args.batch,
+        "seq": args.seq,
+        "micro_batch": args.micro,
+        "compile_plus_first_step_s": round(compile_s, 2),
+        "step_s": round(step_s, 4),
+        "step_s_all": [round(x, 4) for x in times],
+        "tokens_per_s": round(args.batch * (args.seq - 1) / step_s, 1),
+        "model_tflops_per_step": round(step_flops(cfg, args.batch, args.seq) / 1e12, 3),
+        "achieved_tflops": round(step_flops(cfg, args.batch, args.seq) / step_s / 1e12, 2),
+        "mfu": round(mfu, 4),
+        "loss_finite": bool(np.isfinite(metrics["train/loss"])),
+        "skipped_steps": int(metrics["train/skipped_steps"]),
+        "first_step_skipped": int(first["train/skipped"]),
+        "peak_device_bytes": device_peak_bytes(),
+    }
 
 
 def main():
@@ -100,8 +118,12 @@ def main():
     peak = bf16_matmul_peak_flops(args.peak_n)
     for name in args.models.split(","):
         for remat in args.remats.split(","):
-            row = {"benchmark": "gpu_train_mfu", **info, "matmul_peak_tflops": round(peak / 1e12, 2),
-                   "goal_mfu": GOAL_MFU}
+            row = {
+                "benchmark": "gpu_train_mfu",
+                **info,
+                "matmul_peak_tflops": round(peak / 1e12, 2),
+                "goal_mfu": GOAL_MFU,
+            }
             try:
                 row.update(measure(name, remat, args, peak))
             except Exception as e:  # e.g. out of memory: record it, go on with the next configuration

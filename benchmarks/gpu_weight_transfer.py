@@ -66,9 +66,15 @@ def measure(name: str, args) -> dict:
     named = weights.named_torch(model)
     by_name = named_jax(model)
     nbytes = sum(t.numel() * t.element_size() for t in named.values())
-    row.update({"tensors": len(named), "bytes": nbytes, "export_s": round(export_s, 6),
-                "zero_copy": all(named[k].data_ptr() == jax_pointer(by_name[k]) for k in named),
-                "export_device": str(next(iter(named.values())).device)})
+    row.update(
+        {
+            "tensors": len(named),
+            "bytes": nbytes,
+            "export_s": round(export_s, 6),
+            "zero_copy": all(named[k].data_ptr() == jax_pointer(by_name[k]) for k in named),
+            "export_device": str(next(iter(named.values())).device),
+        }
+    )
     if cuda:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -93,10 +99,16 @@ def measure(name: str, args) -> dict:
         finally:
             receiver.close()
         receive_s = min(a["seconds"] for a in answers[1:])  # the first maps the handle and allocates
-        row.update({"cuda_ipc_write_s": round(write_s, 6), "cuda_ipc_write_over_raw": round(write_s / raw_s, 2),
-                    "cuda_ipc_receive_s": round(receive_s, 6), "cuda_ipc_first_receive_s": round(answers[0]["seconds"], 4),
-                    "cuda_ipc_receive_over_raw": round(receive_s / raw_s, 2),
-                    "cuda_ipc_tensors_received": answers[-1]["tensors"]})
+        row.update(
+            {
+                "cuda_ipc_write_s": round(write_s, 6),
+                "cuda_ipc_write_over_raw": round(write_s / raw_s, 2),
+                "cuda_ipc_receive_s": round(receive_s, 6),
+                "cuda_ipc_first_receive_s": round(answers[0]["seconds"], 4),
+                "cuda_ipc_receive_over_raw": round(receive_s / raw_s, 2),
+                "cuda_ipc_tensors_received": answers[-1]["tensors"],
+            }
+        )
         del bucket
         torch.cuda.empty_cache()  # the next model's buffers and the receiver need the room
     else:

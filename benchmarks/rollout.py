@@ -95,10 +95,23 @@ class LengthBudgetEngine:
         return self._fix(self.engine.abort_all())
 
 
-def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_response_len: int, prompt_len: int,
-                prefill_ms=None, min_prefill_batch: int = 1, reuse_aborted_kv: bool = False, steps_per_call: int = 8,
-                cost: str = "cpu-jax", replicas: int = 1, step_overhead_ms=None, deployment: str = "colocated",
-                train_mfu=None):
+def make_engine(
+    kind: str,
+    seed: int,
+    slots: int,
+    length_scale: float,
+    max_response_len: int,
+    prompt_len: int,
+    prefill_ms=None,
+    min_prefill_batch: int = 1,
+    reuse_aborted_kv: bool = False,
+    steps_per_call: int = 8,
+    cost: str = "cpu-jax",
+    replicas: int = 1,
+    step_overhead_ms=None,
+    deployment: str = "colocated",
+    train_mfu=None,
+):
     if kind == "sim":
         overrides = {}
         if cost == "cpu-jax" and prefill_ms is not None:
@@ -110,18 +123,34 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
         model = cost_model.make(cost, slots, **overrides)
         # the simulated engine keeps aborted KV as a prefix cache would; the deployment decides whether
         # it survives the train step
-        return SimReplicas(replicas, slots=slots, cost=model, seed=seed, length_scale=length_scale,
-                           deployment=deployment)
+        return SimReplicas(
+            replicas, slots=slots, cost=model, seed=seed, length_scale=length_scale, deployment=deployment
+        )
     from april_jax.models import qwen3
 
-    cfg = qwen3.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = qwen3.Qwen3Config(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     from april_jax.rollout.jax_engine import JaxEngine
 
     model = qwen3.init_model(cfg, seed=seed)
-    engine = JaxEngine(model, max_num_seqs=slots, max_model_len=prompt_len + max_response_len + 1,
-                       seed=seed, min_prefill_batch=min_prefill_batch, reuse_aborted_kv=reuse_aborted_kv,
-                       samples_per_prompt=8, decode_steps_per_call=steps_per_call)
+    engine = JaxEngine(
+        model,
+        max_num_seqs=slots,
+        max_model_len=prompt_len + max_response_len + 1,
+        seed=seed,
+        min_prefill_batch=min_prefill_batch,
+        reuse_aborted_kv=reuse_aborted_kv,
+        samples_per_prompt=8,
+        decode_steps_per_call=steps_per_call,
+    )
     engine.warmup(modes=("sample",))
     from flax import nnx
 
@@ -129,13 +158,22 @@ def make_engine(kind: str, seed: int, slots: int, length_scale: float, max_respo
 
 
 # flags that override one APRIL setting when given (None: the product default)
-OVERRIDES = ("over_sampling_batch_size", "max_staleness", "stale_policy", "refill", "resume_count", "inflight",
-             "finish_wait", "inflight_headroom")
+OVERRIDES = (
+    "over_sampling_batch_size",
+    "max_staleness",
+    "stale_policy",
+    "refill",
+    "resume_count",
+    "inflight",
+    "finish_wait",
+    "inflight_headroom",
+)
 
 
 def rollout_config(mode: str, args) -> RolloutConfig:
-    common = dict(rollout_batch_size=32, n_samples_per_prompt=8, max_response_len=args.max_response_len,
-                  temperature=1.0)
+    common = dict(
+        rollout_batch_size=32, n_samples_per_prompt=8, max_response_len=args.max_response_len, temperature=1.0
+    )
     if mode == "sync":
         return RolloutConfig(**common, over_sampling_batch_size=32, partial_rollout=False)
     given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k, None) is not None}
@@ -149,16 +187,33 @@ def train_gpus(args) -> int:
 def end_to_end(rollout_s: float, train_s: list[float], delivered_tokens: float) -> dict:
     """A run's end-to-end figures: its steps one after another, each its rollout then its train step."""
     total = rollout_s + sum(train_s)
-    return {"e2e_time_s": total, "e2e_steps_per_s": len(train_s) / total, "e2e_tokens_per_s": delivered_tokens / total,
-            "train_time_s": sum(train_s)}
+    return {
+        "e2e_time_s": total,
+        "e2e_steps_per_s": len(train_s) / total,
+        "e2e_tokens_per_s": delivered_tokens / total,
+        "train_time_s": sum(train_s),
+    }
 
 
 def run(mode: str, args) -> dict:
     cfg = rollout_config(mode, args)
-    engine = make_engine(args.engine, args.seed, args.slots, args.length_scale, args.max_response_len,
-                         args.prompt_len, args.prefill_ms_per_token, args.min_prefill_batch,
-                         args.reuse_aborted_kv and mode != "sync", args.decode_steps_per_call, args.cost, args.replicas,
-                         args.step_overhead_ms, args.deployment, args.train_mfu)
+    engine = make_engine(
+        args.engine,
+        args.seed,
+        args.slots,
+        args.length_scale,
+        args.max_response_len,
+        args.prompt_len,
+        args.prefill_ms_per_token,
+        args.min_prefill_batch,
+        args.reuse_aborted_kv and mode != "sync",
+        args.decode_steps_per_call,
+        args.cost,
+        args.replicas,
+        args.step_overhead_ms,
+        args.deployment,
+        args.train_mfu,
+    )
     april = April(cfg, prompts(args.seed, args.prompt_len))
     w = args.warmup_steps
     delivered_tokens = on_policy = weight = 0.0
@@ -183,7 +238,7 @@ def run(mode: str, args) -> dict:
                 for s in g.samples:
                     stale = step - np.asarray(s.response_versions)
                     on_policy += float(np.sum(stale == 0))
-                    weight += float(np.sum(0.9 ** stale))
+                    weight += float(np.sum(0.9**stale))
                     lengths.append(len(s.response_ids))
                     ctx_sum += cost_model.delivered_ctx_sum(len(s.prompt_ids), len(s.response_ids))
                     trained += len(s.prompt_ids) + len(s.response_ids)
@@ -193,77 +248,144 @@ def run(mode: str, args) -> dict:
     s_end = engine.stats()
     window = steps[w:]
     buffered = sum(len(s.response_ids) for g in april.buffer.groups() for s in g.samples)
-    out = {"delivered_tokens_per_s": delivered_tokens / time, "delivered_tokens": delivered_tokens,
-           "buffered_tokens_end": buffered, "off_policy_token_frac": 1 - on_policy / delivered_tokens,
-           "dropped_tokens": sum(m["rollout/dropped_tokens"] for m in steps),
-           # finish_wait: engine time spent past the target, and groups delivered in a fresher one's place
-           "finish_wait_s": sum(m.get("rollout/finish_wait_s", 0.0) for m in window),
-           "swapped_groups": sum(m.get("rollout/swapped_groups", 0) for m in window),
-           "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in window) / delivered_tokens,
-           "occupancy": float(np.mean([m["rollout/occupancy"] for m in window])),
-           "on_policy_token_frac": on_policy / delivered_tokens, "mean_loss_weight": weight / delivered_tokens,
-           "delivered_len_mean": float(np.mean(lengths)), "staleness_max": max(m["rollout/staleness_max"] for m in steps),
-           "time_s": time, "timeline": timeline, "steps": steps}
+    out = {
+        "delivered_tokens_per_s": delivered_tokens / time,
+        "delivered_tokens": delivered_tokens,
+        "buffered_tokens_end": buffered,
+        "off_policy_token_frac": 1 - on_policy / delivered_tokens,
+        "dropped_tokens": sum(m["rollout/dropped_tokens"] for m in steps),
+        # finish_wait: engine time spent past the target, and groups delivered in a fresher one's place
+        "finish_wait_s": sum(m.get("rollout/finish_wait_s", 0.0) for m in window),
+        "swapped_groups": sum(m.get("rollout/swapped_groups", 0) for m in window),
+        "prefill_tokens_per_response_token": sum(m["rollout/prefill_tokens"] for m in window) / delivered_tokens,
+        "occupancy": float(np.mean([m["rollout/occupancy"] for m in window])),
+        "on_policy_token_frac": on_policy / delivered_tokens,
+        "mean_loss_weight": weight / delivered_tokens,
+        "delivered_len_mean": float(np.mean(lengths)),
+        "staleness_max": max(m["rollout/staleness_max"] for m in steps),
+        "time_s": time,
+        "timeline": timeline,
+        "steps": steps,
+    }
     out["tokens_per_s"] = out["delivered_tokens_per_s"]
     if args.engine == "sim":
         replicas = len(engine.replicas)
-        free = cost_model.time_lower_bound_s(engine.cost, tokens=int(delivered_tokens), ctx_sum=ctx_sum,
-                                             prompt_lens=prompt_lens, slots=args.slots, replicas=replicas,
-                                             syncs=args.steps - w)
+        free = cost_model.time_lower_bound_s(
+            engine.cost,
+            tokens=int(delivered_tokens),
+            ctx_sum=ctx_sum,
+            prompt_lens=prompt_lens,
+            slots=args.slots,
+            replicas=replicas,
+            syncs=args.steps - w,
+        )
         if args.deployment == "colocated":  # every schedule sleeps through the same train steps
             free += (args.steps - w) * engine.cost.sleep_wake_s()
-        out.update(free_limit_tokens_per_s=delivered_tokens / free, **end_to_end(time, train_s, delivered_tokens),
-                   prefill_time_frac=(s_end.prefill_time_s - s_start.prefill_time_s) / (replicas * time),
-                   kv_bytes_peak=s_end.kv_bytes_peak, kv_bytes_budget=engine.cost.kv_budget_bytes,
-                   preempted=s_end.preempted - s_start.preempted, kv_reused=s_end.kv_reused - s_start.kv_reused,
-                   kv_lost_in_sleep=s_end.kv_lost_in_sleep - s_start.kv_lost_in_sleep)
+        out.update(
+            free_limit_tokens_per_s=delivered_tokens / free,
+            **end_to_end(time, train_s, delivered_tokens),
+            prefill_time_frac=(s_end.prefill_time_s - s_start.prefill_time_s) / (replicas * time),
+            kv_bytes_peak=s_end.kv_bytes_peak,
+            kv_bytes_budget=engine.cost.kv_budget_bytes,
+            preempted=s_end.preempted - s_start.preempted,
+            kv_reused=s_end.kv_reused - s_start.kv_reused,
+            kv_lost_in_sleep=s_end.kv_lost_in_sleep - s_start.kv_lost_in_sleep,
+        )
     return out
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", choices=["sim", "jax", "vllm"], default="sim")
-    parser.add_argument("--cost", default="h200-qwen3-4b",
-                        help="sim only: a roofline preset (h200-qwen3-4b, h100-qwen3-4b, h200-qwen3-8b) or cpu-jax")
-    parser.add_argument("--replicas", type=int, default=None, help="sim only: engine replicas, one per GPU "
-                        "(default 8 for a roofline preset, 1 for cpu-jax)")
-    parser.add_argument("--deployment", choices=DEPLOYMENTS, default="colocated",
-                        help="sim only: rollout and training share the GPUs (the engine sleeps through the train "
-                        "step and loses its KV), or the engine has GPUs of its own and keeps its KV")
-    parser.add_argument("--train-gpus", type=int, default=None,
-                        help="sim, disaggregated: training GPUs beside the rollout replicas (default: as many)")
+    parser.add_argument(
+        "--cost",
+        default="h200-qwen3-4b",
+        help="sim only: a roofline preset (h200-qwen3-4b, h100-qwen3-4b, h200-qwen3-8b) or cpu-jax",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="sim only: engine replicas, one per GPU (default 8 for a roofline preset, 1 for cpu-jax)",
+    )
+    parser.add_argument(
+        "--deployment",
+        choices=DEPLOYMENTS,
+        default="colocated",
+        help="sim only: rollout and training share the GPUs (the engine sleeps through the train "
+        "step and loses its KV), or the engine has GPUs of its own and keeps its KV",
+    )
+    parser.add_argument(
+        "--train-gpus",
+        type=int,
+        default=None,
+        help="sim, disaggregated: training GPUs beside the rollout replicas (default: as many)",
+    )
     parser.add_argument("--train-mfu", type=float, default=None, help="roofline presets: training MFU (default 0.35)")
     parser.add_argument("--steps", type=int, default=None, help="default: 8 (6 with --model)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-steps", type=int, default=None,
-                        help="steps left out of the figures (default: a quarter of --steps, at least 1): APRIL's "
-                        "buffer fills over the first few steps; a real run amortises that over hundreds")
-    parser.add_argument("--slots", type=int, default=None, help="max running requests per replica (default: 256 sim, 64 jax)")
-    parser.add_argument("--length-scale", type=float, default=None, help="default: 1.0 sim, 1/32 jax (responses up to 1024 tokens: the largest scale "
-                        "that runs in ~6 minutes on 2 cores; at 1/64 half the responses are under 16 tokens "
-                        "and per-request costs weigh more than at any real scale)")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="steps left out of the figures (default: a quarter of --steps, at least 1): APRIL's "
+        "buffer fills over the first few steps; a real run amortises that over hundreds",
+    )
+    parser.add_argument(
+        "--slots", type=int, default=None, help="max running requests per replica (default: 256 sim, 64 jax)"
+    )
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=None,
+        help="default: 1.0 sim, 1/32 jax (responses up to 1024 tokens: the largest scale "
+        "that runs in ~6 minutes on 2 cores; at 1/64 half the responses are under 16 tokens "
+        "and per-request costs weigh more than at any real scale)",
+    )
     parser.add_argument("--max-response-len", type=int, default=None)
-    parser.add_argument("--prompt-len", type=int, default=None,
-                        help="default: 64 x length scale, at least 8 (all lengths scaled alike)")
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="default: 64 x length scale, at least 8 (all lengths scaled alike)"
+    )
     default = RolloutConfig()
-    for name, kind, choices in (("over_sampling_batch_size", int, None), ("max_staleness", int, None),
-                                ("stale_policy", str, ("restart", "drop_group")), ("refill", str, ("groups", "members")),
-                                ("resume_count", str, ("fraction", "group")), ("inflight", str, ("over_sampling", "auto")),
-                                ("finish_wait", float, None), ("inflight_headroom", float, None)):
+    for name, kind, choices in (
+        ("over_sampling_batch_size", int, None),
+        ("max_staleness", int, None),
+        ("stale_policy", str, ("restart", "drop_group")),
+        ("refill", str, ("groups", "members")),
+        ("resume_count", str, ("fraction", "group")),
+        ("inflight", str, ("over_sampling", "auto")),
+        ("finish_wait", float, None),
+        ("inflight_headroom", float, None),
+    ):
         flag = "--over-sampling" if name == "over_sampling_batch_size" else "--" + name.replace("_", "-")
-        parser.add_argument(flag, dest=name, type=kind, choices=choices, default=None,
-                            help=f"APRIL's rollout.{name} (default: the product's, {getattr(default, name)!r})")
-    parser.add_argument("--prefill-ms-per-token", type=float, default=None,
-                        help="--cost cpu-jax only; default: the CPU-calibrated 0.73")
-    parser.add_argument("--step-overhead-ms", type=float, default=None, help="roofline presets: per decode step (default 1)")
-    parser.add_argument("--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free")
-    parser.add_argument("--reuse-aborted-kv", action="store_true",
-                        help="jax only: APRIL's resumed requests take their parked KV instead of a re-prefill")
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            choices=choices,
+            default=None,
+            help=f"APRIL's rollout.{name} (default: the product's, {getattr(default, name)!r})",
+        )
+    parser.add_argument(
+        "--prefill-ms-per-token", type=float, default=None, help="--cost cpu-jax only; default: the CPU-calibrated 0.73"
+    )
+    parser.add_argument(
+        "--step-overhead-ms", type=float, default=None, help="roofline presets: per decode step (default 1)"
+    )
+    parser.add_argument(
+        "--min-prefill-batch", type=int, default=1, help="jax only: refill when this many slots are free"
+    )
+    parser.add_argument(
+        "--reuse-aborted-kv",
+        action="store_true",
+        help="jax only: APRIL's resumed requests take their parked KV instead of a re-prefill",
+    )
     parser.add_argument("--decode-steps-per-call", type=int, default=8, help="jax only")
     parser.add_argument("--png", default=None, help="write busy slots over time for both modes")
     parser.add_argument("--full", action="store_true", help="also print per-step metrics")
     # a real checkpoint on a real engine (--model, or --engine vllm): benchmarks/rollout_real.py
     from benchmarks import rollout_real as real
+
     real.add_arguments(parser)
     args = parser.parse_args()
     if real.wanted(args):
@@ -306,19 +428,33 @@ def compare(args) -> dict:
         limits.append(measure_jax_limit(args))
     cfg = rollout_config("april", args)
     out = {
-        "benchmark": "rollout", "engine": args.engine, "steps": args.steps, "warmup_steps": args.warmup_steps, "seed": args.seed, "slots": args.slots,
-        "length_scale": args.length_scale, "max_response_len": args.max_response_len, "prompt_len": args.prompt_len,
-        "prefill_ms_per_token": args.prefill_ms_per_token, "min_prefill_batch": args.min_prefill_batch,
-        "reuse_aborted_kv": args.reuse_aborted_kv, "decode_steps_per_call": args.decode_steps_per_call,
-        "over_sampling": cfg.over_sampling_batch_size, **{k: getattr(cfg, k) for k in OVERRIDES[1:]},
-        "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "april_tokens_per_s": round(april["tokens_per_s"], 1),
+        "benchmark": "rollout",
+        "engine": args.engine,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "seed": args.seed,
+        "slots": args.slots,
+        "length_scale": args.length_scale,
+        "max_response_len": args.max_response_len,
+        "prompt_len": args.prompt_len,
+        "prefill_ms_per_token": args.prefill_ms_per_token,
+        "min_prefill_batch": args.min_prefill_batch,
+        "reuse_aborted_kv": args.reuse_aborted_kv,
+        "decode_steps_per_call": args.decode_steps_per_call,
+        "over_sampling": cfg.over_sampling_batch_size,
+        **{k: getattr(cfg, k) for k in OVERRIDES[1:]},
+        "sync_tokens_per_s": round(sync["tokens_per_s"], 1),
+        "april_tokens_per_s": round(april["tokens_per_s"], 1),
         "rollout_speedup": round(april["tokens_per_s"] / sync["tokens_per_s"], 3),
-        "april_occupancy": round(april["occupancy"], 3), "sync_occupancy": round(sync["occupancy"], 3),
+        "april_occupancy": round(april["occupancy"], 3),
+        "sync_occupancy": round(sync["occupancy"], 3),
         "off_policy_token_frac": round(april["off_policy_token_frac"], 3),
         "april_prefill_tokens_per_response_token": round(april["prefill_tokens_per_response_token"], 2),
         "sync_prefill_tokens_per_response_token": round(sync["prefill_tokens_per_response_token"], 2),
-        "dropped_tokens": april["dropped_tokens"], "sync_dropped_tokens": sync["dropped_tokens"],
-        "april_delivered_tokens": april["delivered_tokens"], "sync_delivered_tokens": sync["delivered_tokens"],
+        "dropped_tokens": april["dropped_tokens"],
+        "sync_dropped_tokens": sync["dropped_tokens"],
+        "april_delivered_tokens": april["delivered_tokens"],
+        "sync_delivered_tokens": sync["delivered_tokens"],
         "april_buffered_tokens_end": april["buffered_tokens_end"],
         "delivered_len_ratio": round(april["delivered_len_mean"] / sync["delivered_len_mean"], 4),
         "april_staleness_max": april["staleness_max"],
@@ -330,8 +466,18 @@ def compare(args) -> dict:
         for key in ("on_policy_token_frac", "mean_loss_weight", "delivered_len_mean"):
             out[f"{name}_{key}"] = round(r[key], 4)
     if args.engine == "sim":
-        out["cost"] = make_engine("sim", 0, args.slots, 1.0, 1, 1, args.prefill_ms_per_token, cost=args.cost,
-                                  step_overhead_ms=args.step_overhead_ms, train_mfu=args.train_mfu).cost.describe()
+        out["cost"] = make_engine(
+            "sim",
+            0,
+            args.slots,
+            1.0,
+            1,
+            1,
+            args.prefill_ms_per_token,
+            cost=args.cost,
+            step_overhead_ms=args.step_overhead_ms,
+            train_mfu=args.train_mfu,
+        ).cost.describe()
         out["replicas"] = args.replicas
         out["deployment"] = args.deployment
         out["train_gpus"] = train_gpus(args)
@@ -357,9 +503,12 @@ def compare(args) -> dict:
             out[f"{name}_time_s"] = round(r["time_s"], 2)
     else:
         limit = float(np.mean(limits))
-        out.update(limit_tokens_per_s=round(limit, 1), limit_before_after=[round(x, 1) for x in limits],
-                   april_fraction_of_limit=round(april["tokens_per_s"] / limit, 3),
-                   sync_fraction_of_limit=round(sync["tokens_per_s"] / limit, 3))
+        out.update(
+            limit_tokens_per_s=round(limit, 1),
+            limit_before_after=[round(x, 1) for x in limits],
+            april_fraction_of_limit=round(april["tokens_per_s"] / limit, 3),
+            sync_fraction_of_limit=round(sync["tokens_per_s"] / limit, 3),
+        )
     if getattr(args, "png", None):
         plot(sync["timeline"], april["timeline"], args)
     if getattr(args, "full", False):
@@ -371,10 +520,20 @@ def measure_jax_limit(args) -> float:
     """Tokens/s of the JAX engine with every slot busy: long greedy requests, no stops."""
     from april_jax.rollout.types import Request, SamplingParams
 
-    engine = make_engine("jax", args.seed, args.slots, 1.0, args.max_response_len, args.prompt_len,
-                         steps_per_call=args.decode_steps_per_call).engine
+    engine = make_engine(
+        "jax",
+        args.seed,
+        args.slots,
+        1.0,
+        args.max_response_len,
+        args.prompt_len,
+        steps_per_call=args.decode_steps_per_call,
+    ).engine
     n = args.max_response_len
-    reqs = lambda tag: [Request(f"{tag}{i}", list(range(1, args.prompt_len + 1)), n, SamplingParams(1.0, seed=i)) for i in range(args.slots)]
+    reqs = lambda tag: [
+        Request(f"{tag}{i}", list(range(1, args.prompt_len + 1)), n, SamplingParams(1.0, seed=i))
+        for i in range(args.slots)
+    ]
     engine.generate(reqs("warm"))
     t0, before = engine.now(), engine.stats().tokens_generated
     engine.submit(reqs("run"))

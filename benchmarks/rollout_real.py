@@ -51,15 +51,24 @@ VLLM_WINDOW_S = 1.0
 def add_arguments(parser) -> None:
     """The flags of the real-model comparison (beside rollout.py's --steps, --warmup-steps, --slots,
     --max-response-len, --seed and the APRIL overrides, which it shares)."""
-    parser.add_argument("--model", default=None, help="a real checkpoint (HF folder or asset:NAME): APRIL vs sync on it, "
-                        "with --engine jax or vllm (benchmarks/rollout_real.py)")
-    parser.add_argument("--prompts", default="asset:gsm-symbolic-train", help="--model: jsonl of prompts (field prompt)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a real checkpoint (HF folder or asset:NAME): APRIL vs sync on it, "
+        "with --engine jax or vllm (benchmarks/rollout_real.py)",
+    )
+    parser.add_argument(
+        "--prompts", default="asset:gsm-symbolic-train", help="--model: jsonl of prompts (field prompt)"
+    )
     parser.add_argument("--max-prompt-len", type=int, default=320, help="--model: longer prompts are skipped")
     parser.add_argument("--groups", type=int, default=4, help="--model: prompt groups delivered per step")
     parser.add_argument("--samples", type=int, default=8, help="--model: responses per prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="--model: sampling temperature")
-    parser.add_argument("--vllm-python", default=None, help="--engine vllm: the interpreter with vLLM "
-                        "(default: $APRIL_JAX_VLLM_PYTHON or .venv-vllm)")
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="--engine vllm: the interpreter with vLLM (default: $APRIL_JAX_VLLM_PYTHON or .venv-vllm)",
+    )
 
 
 def wanted(args) -> bool:
@@ -95,43 +104,72 @@ def build_engine(args, model, model_path: str, max_model_len: int, prefill_bucke
     if args.engine == "jax":
         from april_jax.rollout.jax_engine import JaxEngine
 
-        engine = JaxEngine(model, max_num_seqs=args.slots, max_model_len=max_model_len, seed=args.seed,
-                           samples_per_prompt=args.samples, smallest_prefill_bucket=prefill_bucket)
+        engine = JaxEngine(
+            model,
+            max_num_seqs=args.slots,
+            max_model_len=max_model_len,
+            seed=args.seed,
+            samples_per_prompt=args.samples,
+            smallest_prefill_bucket=prefill_bucket,
+        )
         engine.warmup(modes=("sample",))  # no compile inside a measured step
         return StepCostMeter(engine, window_s=0.0, decode_only=True)
     from april_jax.rollout.vllm.engine import VllmEngine
     from april_jax.rollout.vllm.server import find_vllm_python
 
-    engine = VllmEngine(model_path, python=find_vllm_python(args.vllm_python), max_num_seqs=args.slots,
-                        max_model_len=max_model_len, seed=args.seed, kv_cache_bytes=VLLM_KV_BYTES,
-                        startup_timeout=900.0)  # 30-40 s idle; minutes on a loaded 2-core box
+    engine = VllmEngine(
+        model_path,
+        python=find_vllm_python(args.vllm_python),
+        max_num_seqs=args.slots,
+        max_model_len=max_model_len,
+        seed=args.seed,
+        kv_cache_bytes=VLLM_KV_BYTES,
+        startup_timeout=900.0,
+    )  # 30-40 s idle; minutes on a loaded 2-core box
     return StepCostMeter(engine, window_s=VLLM_WINDOW_S, decode_only=False)
 
 
 def rollout_config(mode: str, args, stop_ids) -> RolloutConfig:
-    common = dict(rollout_batch_size=args.groups, n_samples_per_prompt=args.samples,
-                  max_response_len=args.max_response_len, temperature=args.temperature, stop_token_ids=stop_ids)
+    common = dict(
+        rollout_batch_size=args.groups,
+        n_samples_per_prompt=args.samples,
+        max_response_len=args.max_response_len,
+        temperature=args.temperature,
+        stop_token_ids=stop_ids,
+    )
     if mode == "sync":
         return RolloutConfig(**common, over_sampling_batch_size=args.groups, partial_rollout=False)
     # rollout.py's flags that override one APRIL setting, when given (--over-sampling, --max-staleness, ...)
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RolloutConfig)
-             if f.name not in common and getattr(args, f.name, None) is not None}
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(RolloutConfig)
+        if f.name not in common and getattr(args, f.name, None) is not None
+    }
     return RolloutConfig(**common, partial_rollout=True, **given)
 
 
 def lengths_summary(lengths: list[int]) -> dict:
     a = np.asarray(lengths)
-    return {"n": int(a.size), "mean": round(float(a.mean()), 2), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "max": int(a.max())}
+    return {
+        "n": int(a.size),
+        "mean": round(float(a.mean()), 2),
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "max": int(a.max()),
+    }
 
 
 def rate(part: dict) -> dict:
     """Delivered tokens/s of some steps: their compile seconds taken out (programs met for the first
     time; a training run pays each once over hundreds of steps), and with them."""
     steady = part["time_s"] - part["compile_s"]
-    return {"delivered_tokens": part["tokens"], "time_s": round(part["time_s"], 2),
-            "compile_s": round(part["compile_s"], 2), "delivered_tokens_per_s": round(part["tokens"] / steady, 2),
-            "delivered_tokens_per_s_with_compiles": round(part["tokens"] / part["time_s"], 2)}
+    return {
+        "delivered_tokens": part["tokens"],
+        "time_s": round(part["time_s"], 2),
+        "compile_s": round(part["compile_s"], 2),
+        "delivered_tokens_per_s": round(part["tokens"] / steady, 2),
+        "delivered_tokens_per_s_with_compiles": round(part["tokens"] / part["time_s"], 2),
+    }
 
 
 def run_mode(mode: str, engine, params, prompts, cfg: RolloutConfig, args) -> dict:
@@ -172,15 +210,20 @@ def run_mode(mode: str, engine, params, prompts, cfg: RolloutConfig, args) -> di
     split = {k: round(engine.seconds[k] - seconds0[k], 2) for k in seconds0}
     split["weight_sync"] = round(sync_s, 2)
     split["other"] = round(parts["measured"]["time_s"] - sum(split.values()), 2)
-    return {**rate(parts["measured"]), "delivered_len": lengths_summary(lengths),
-            "truncated_frac": round(truncated / len(lengths), 3), "dropped_tokens": dropped,
-            "off_policy_token_frac": round(1 - on_policy / tokens, 4),
-            "buffered_groups_end": len(april.buffer),
-            "buffered_tokens_end": sum(len(s.response_ids) for g in april.buffer.groups() for s in g.samples),
-            "occupancy": round((s1.busy_slot_steps - s0.busy_slot_steps) / (steps * s1.slots), 3) if steps else 0.0,
-            "time_split_s": split, "prefill_tokens": s1.prefill_tokens - s0.prefill_tokens,
-            "warmup": {"steps": w, **rate(parts["warmup"])},
-            "wall_s": round(time.perf_counter() - wall0, 1)}
+    return {
+        **rate(parts["measured"]),
+        "delivered_len": lengths_summary(lengths),
+        "truncated_frac": round(truncated / len(lengths), 3),
+        "dropped_tokens": dropped,
+        "off_policy_token_frac": round(1 - on_policy / tokens, 4),
+        "buffered_groups_end": len(april.buffer),
+        "buffered_tokens_end": sum(len(s.response_ids) for g in april.buffer.groups() for s in g.samples),
+        "occupancy": round((s1.busy_slot_steps - s0.busy_slot_steps) / (steps * s1.slots), 3) if steps else 0.0,
+        "time_split_s": split,
+        "prefill_tokens": s1.prefill_tokens - s0.prefill_tokens,
+        "warmup": {"steps": w, **rate(parts["warmup"])},
+        "wall_s": round(time.perf_counter() - wall0, 1),
+    }
 
 
 def compare(args) -> dict:
@@ -218,22 +261,40 @@ def compare(args) -> dict:
     bound = ceiling(costs)
     sync, april = results["sync"], results["april"]
     cfg = rollout_config("april", args, stop_ids)
-    out = {"benchmark": "rollout_real", "engine": args.engine, "model": args.model, "prompts": args.prompts,
-           "seed": args.seed, "steps": args.steps, "warmup_steps": args.warmup_steps, "groups": args.groups,
-           "samples": args.samples, "slots": args.slots, "max_response_len": args.max_response_len,
-           "max_model_len": max_model_len, "temperature": args.temperature,
-           "over_sampling": cfg.over_sampling_batch_size, "max_staleness": cfg.max_staleness,
-           "refill": cfg.refill, "inflight": cfg.inflight, "finish_wait": cfg.finish_wait,
-           "delivered_speedup": round(april["delivered_tokens_per_s"] / sync["delivered_tokens_per_s"], 3),
-           "delivered_speedup_with_compiles": round(april["delivered_tokens_per_s_with_compiles"]
-                                                    / sync["delivered_tokens_per_s_with_compiles"], 3),
-           "april_tokens_per_s": april["delivered_tokens_per_s"], "sync_tokens_per_s": sync["delivered_tokens_per_s"],
-           "april": april, "sync": sync,
-           "step_cost": {str(b): c for b, c in costs.items()},
-           "ceiling": {**bound, "rule": "max over b of b / c(b): every step at the best number of running requests"},
-           "ceiling_over_sync": (round(bound["tokens_per_s"] / sync["delivered_tokens_per_s"], 3)
-                                 if bound["tokens_per_s"] else None),
-           "engine_ready_s": round(ready_s, 1),
-           "load_avg": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
-           "cpus": os.cpu_count()}
+    out = {
+        "benchmark": "rollout_real",
+        "engine": args.engine,
+        "model": args.model,
+        "prompts": args.prompts,
+        "seed": args.seed,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "groups": args.groups,
+        "samples": args.samples,
+        "slots": args.slots,
+        "max_response_len": args.max_response_len,
+        "max_model_len": max_model_len,
+        "temperature": args.temperature,
+        "over_sampling": cfg.over_sampling_batch_size,
+        "max_staleness": cfg.max_staleness,
+        "refill": cfg.refill,
+        "inflight": cfg.inflight,
+        "finish_wait": cfg.finish_wait,
+        "delivered_speedup": round(april["delivered_tokens_per_s"] / sync["delivered_tokens_per_s"], 3),
+        "delivered_speedup_with_compiles": round(
+            april["delivered_tokens_per_s_with_compiles"] / sync["delivered_tokens_per_s_with_compiles"], 3
+        ),
+        "april_tokens_per_s": april["delivered_tokens_per_s"],
+        "sync_tokens_per_s": sync["delivered_tokens_per_s"],
+        "april": april,
+        "sync": sync,
+        "step_cost": {str(b): c for b, c in costs.items()},
+        "ceiling": {**bound, "rule": "max over b of b / c(b): every step at the best number of running requests"},
+        "ceiling_over_sync": (
+            round(bound["tokens_per_s"] / sync["delivered_tokens_per_s"], 3) if bound["tokens_per_s"] else None
+        ),
+        "engine_ready_s": round(ready_s, 1),
+        "load_avg": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
+        "cpus": os.cpu_count(),
+    }
     return out

@@ -21,24 +21,45 @@ import numpy as np
 from benchmarks import rollout
 
 # None: the product default (benchmarks/rollout.py's flags left out)
-BASE = dict(engine="sim", cost="h200-qwen3-4b", replicas=8, steps=20, warmup_steps=None, seed=0, slots=256,
-            length_scale=1.0, max_response_len=32768, prompt_len=64, prefill_ms_per_token=None, step_overhead_ms=None,
-            min_prefill_batch=1, reuse_aborted_kv=False, decode_steps_per_call=8, deployment="colocated",
-            train_gpus=None, train_mfu=None, **{k: None for k in rollout.OVERRIDES})
+BASE = dict(
+    engine="sim",
+    cost="h200-qwen3-4b",
+    replicas=8,
+    steps=20,
+    warmup_steps=None,
+    seed=0,
+    slots=256,
+    length_scale=1.0,
+    max_response_len=32768,
+    prompt_len=64,
+    prefill_ms_per_token=None,
+    step_overhead_ms=None,
+    min_prefill_batch=1,
+    reuse_aborted_kv=False,
+    decode_steps_per_call=8,
+    deployment="colocated",
+    train_gpus=None,
+    train_mfu=None,
+    **{k: None for k in rollout.OVERRIDES},
+)
 DEFAULTS = {}
 # The paper's orchestrator: over-sampled groups drain, no refill, nothing sized by the cap.
 BEFORE = dict(refill="groups", inflight="over_sampling")
 
 SECTIONS = {
-    "headline": [("product defaults (colocated)", DEFAULTS),
-                 ("without finish_wait and headroom", {"finish_wait": 0.0, "inflight_headroom": 0.0}),
-                 ("in flight by over-sampling only", {"inflight": "over_sampling"}),
-                 ("the paper's orchestrator (groups k/n, no cap sizing)", BEFORE),
-                 ("the paper's, a resumed group counts whole (slime)", {**BEFORE, "resume_count": "group"})],
+    "headline": [
+        ("product defaults (colocated)", DEFAULTS),
+        ("without finish_wait and headroom", {"finish_wait": 0.0, "inflight_headroom": 0.0}),
+        ("in flight by over-sampling only", {"inflight": "over_sampling"}),
+        ("the paper's orchestrator (groups k/n, no cap sizing)", BEFORE),
+        ("the paper's, a resumed group counts whole (slime)", {**BEFORE, "resume_count": "group"}),
+    ],
     "over_sampling": [(f"over-sampling {os} ({os / 32:g}x)", {"over_sampling_batch_size": os}) for os in (32, 48, 96)],
     "max_staleness": [(f"max_staleness {s}", {"max_staleness": s}) for s in (0, 1, 2, 3, 16)],
-    "resume_count": [("groups refill, resumed group counts k/n", {"refill": "groups"}),
-                     ("groups refill, resumed group counts whole", {"refill": "groups", "resume_count": "group"})],
+    "resume_count": [
+        ("groups refill, resumed group counts k/n", {"refill": "groups"}),
+        ("groups refill, resumed group counts whole", {"refill": "groups", "resume_count": "group"}),
+    ],
     "max_response_len": [(f"max_response_len {n}", {"max_response_len": n}) for n in (8192, 16384)],
     "deployment": [("disaggregated (KV kept across the train step)", {"deployment": "disaggregated"})],
     "replicas": [(f"replicas {r}", {"replicas": r}) for r in (1, 2, 4)],
@@ -57,25 +78,44 @@ def args_for(**kw):
 def _run(task):
     mode, kw = task
     r = rollout.run(mode, args_for(**kw))
-    keep = ("tokens_per_s", "free_limit_tokens_per_s", "e2e_steps_per_s", "on_policy_token_frac", "mean_loss_weight",
-            "delivered_len_mean", "dropped_tokens", "prefill_time_frac", "kv_bytes_peak", "kv_bytes_budget", "preempted",
-            "staleness_max", "buffered_tokens_end")
+    keep = (
+        "tokens_per_s",
+        "free_limit_tokens_per_s",
+        "e2e_steps_per_s",
+        "on_policy_token_frac",
+        "mean_loss_weight",
+        "delivered_len_mean",
+        "dropped_tokens",
+        "prefill_time_frac",
+        "kv_bytes_peak",
+        "kv_bytes_budget",
+        "preempted",
+        "staleness_max",
+        "buffered_tokens_end",
+    )
     return task, {k: r[k] for k in keep}
 
 
 def row_result(sync: dict, april: dict) -> dict:
-    return {"speedup": april["tokens_per_s"] / sync["tokens_per_s"],
-            "e2e_speedup": april["e2e_steps_per_s"] / sync["e2e_steps_per_s"],
-            "april_fraction_of_free_limit": april["tokens_per_s"] / april["free_limit_tokens_per_s"],
-            "sync_fraction_of_free_limit": sync["tokens_per_s"] / sync["free_limit_tokens_per_s"],
-            "april_tokens_per_s": april["tokens_per_s"], "sync_tokens_per_s": sync["tokens_per_s"],
-            "april_on_policy_token_frac": april["on_policy_token_frac"], "april_mean_loss_weight": april["mean_loss_weight"],
-            "april_delivered_len_mean": april["delivered_len_mean"], "sync_delivered_len_mean": sync["delivered_len_mean"],
-            "april_dropped_tokens": april["dropped_tokens"],
-            "april_prefill_time_frac": april["prefill_time_frac"], "april_preempted": april["preempted"],
-            "april_kv_peak_frac": april["kv_bytes_peak"] / april["kv_bytes_budget"],
-            "sync_kv_peak_frac": sync["kv_bytes_peak"] / sync["kv_bytes_budget"],
-            "april_staleness_max": april["staleness_max"], "april_buffered_tokens_end": april["buffered_tokens_end"]}
+    return {
+        "speedup": april["tokens_per_s"] / sync["tokens_per_s"],
+        "e2e_speedup": april["e2e_steps_per_s"] / sync["e2e_steps_per_s"],
+        "april_fraction_of_free_limit": april["tokens_per_s"] / april["free_limit_tokens_per_s"],
+        "sync_fraction_of_free_limit": sync["tokens_per_s"] / sync["free_limit_tokens_per_s"],
+        "april_tokens_per_s": april["tokens_per_s"],
+        "sync_tokens_per_s": sync["tokens_per_s"],
+        "april_on_policy_token_frac": april["on_policy_token_frac"],
+        "april_mean_loss_weight": april["mean_loss_weight"],
+        "april_delivered_len_mean": april["delivered_len_mean"],
+        "sync_delivered_len_mean": sync["delivered_len_mean"],
+        "april_dropped_tokens": april["dropped_tokens"],
+        "april_prefill_time_frac": april["prefill_time_frac"],
+        "april_preempted": april["preempted"],
+        "april_kv_peak_frac": april["kv_bytes_peak"] / april["kv_bytes_budget"],
+        "sync_kv_peak_frac": sync["kv_bytes_peak"] / sync["kv_bytes_budget"],
+        "april_staleness_max": april["staleness_max"],
+        "april_buffered_tokens_end": april["buffered_tokens_end"],
+    }
 
 
 def main():
@@ -87,10 +127,18 @@ def main():
     parser.add_argument("--step-overhead-ms", type=float, default=None)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--reuse-log", nargs="*", default=[], help="per-task JSON lines of earlier sweeps: tasks "
-                        "found there are not run again")
-    parser.add_argument("--from-log", default=None, help="summarise the per-task JSON lines a sweep wrote to stderr "
-                        "(the rows whose runs are all there) instead of running")
+    parser.add_argument(
+        "--reuse-log",
+        nargs="*",
+        default=[],
+        help="per-task JSON lines of earlier sweeps: tasks found there are not run again",
+    )
+    parser.add_argument(
+        "--from-log",
+        default=None,
+        help="summarise the per-task JSON lines a sweep wrote to stderr "
+        "(the rows whose runs are all there) instead of running",
+    )
     args = parser.parse_args()
     names = list(SECTIONS) if args.sections == ["all"] else args.sections
     for name in names:
@@ -147,9 +195,17 @@ def summarise(rows, results, args):
             print(json.dumps({"section": name, "row": label, "seed": seed, "config": over, **r}), flush=True)
         if not per_seed:
             continue
-        stats = {k: {"mean": float(np.mean([r[k] for r in per_seed])), "min": float(np.min([r[k] for r in per_seed])),
-                     "max": float(np.max([r[k] for r in per_seed]))} for k in per_seed[0]}
-        seeds = [seed for seed in args.seeds if json.dumps(("april", {**over, "seed": seed}), sort_keys=True) in results]
+        stats = {
+            k: {
+                "mean": float(np.mean([r[k] for r in per_seed])),
+                "min": float(np.min([r[k] for r in per_seed])),
+                "max": float(np.max([r[k] for r in per_seed])),
+            }
+            for k in per_seed[0]
+        }
+        seeds = [
+            seed for seed in args.seeds if json.dumps(("april", {**over, "seed": seed}), sort_keys=True) in results
+        ]
         summary.append({"section": name, "row": label, "seeds": seeds, "config": over, **stats})
     for s in summary:
         print(json.dumps({"summary": True, **s}))
@@ -161,19 +217,24 @@ def markdown(summary, args) -> str:
     def spread(s, k, fmt="{:.2f}"):
         return f"{fmt.format(s[k]['mean'])} ({fmt.format(s[k]['min'])}-{fmt.format(s[k]['max'])})"
 
-    lines = [f"{args.cost}, {args.steps} steps: mean (min-max) over the seeds listed", "",
-             "| section | row | seeds | e2e speedup | rollout speedup | APRIL / free limit | sync / free limit | on-policy frac | "
-             "mean loss weight | delivered len APRIL / sync | dropped tokens | prefill time | preempted | KV peak / budget APRIL, sync |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{args.cost}, {args.steps} steps: mean (min-max) over the seeds listed",
+        "",
+        "| section | row | seeds | e2e speedup | rollout speedup | APRIL / free limit | sync / free limit | on-policy frac | "
+        "mean loss weight | delivered len APRIL / sync | dropped tokens | prefill time | preempted | KV peak / budget APRIL, sync |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in summary:
-        lines.append(f"| {s['section']} | {s['row']} | {' '.join(map(str, s['seeds']))} | {spread(s, 'e2e_speedup')} | "
-                     f"{spread(s, 'speedup')} | {spread(s, 'april_fraction_of_free_limit')} | "
-                     f"{spread(s, 'sync_fraction_of_free_limit')} | "
-                     f"{spread(s, 'april_on_policy_token_frac')} | "
-                     f"{spread(s, 'april_mean_loss_weight')} | {s['april_delivered_len_mean']['mean']:.0f} / "
-                     f"{s['sync_delivered_len_mean']['mean']:.0f} | {s['april_dropped_tokens']['mean'] / 1e6:.2f}M | "
-                     f"{s['april_prefill_time_frac']['mean']:.3f} | {s['april_preempted']['mean']:.0f} | "
-                     f"{s['april_kv_peak_frac']['max']:.2f}, {s['sync_kv_peak_frac']['max']:.2f} |")
+        lines.append(
+            f"| {s['section']} | {s['row']} | {' '.join(map(str, s['seeds']))} | {spread(s, 'e2e_speedup')} | "
+            f"{spread(s, 'speedup')} | {spread(s, 'april_fraction_of_free_limit')} | "
+            f"{spread(s, 'sync_fraction_of_free_limit')} | "
+            f"{spread(s, 'april_on_policy_token_frac')} | "
+            f"{spread(s, 'april_mean_loss_weight')} | {s['april_delivered_len_mean']['mean']:.0f} / "
+            f"{s['sync_delivered_len_mean']['mean']:.0f} | {s['april_dropped_tokens']['mean'] / 1e6:.2f}M | "
+            f"{s['april_prefill_time_frac']['mean']:.3f} | {s['april_preempted']['mean']:.0f} | "
+            f"{s['april_kv_peak_frac']['max']:.2f}, {s['sync_kv_peak_frac']['max']:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -36,7 +36,13 @@ class MemmapDir:
         for name, info in header.items():
             if name != "__metadata__":
                 a, b = info["data_offsets"]
-                self._entries[name] = (data, np.dtype(dtypes[info["dtype"]]), tuple(info["shape"]), 8 + n + a, 8 + n + b)
+                self._entries[name] = (
+                    data,
+                    np.dtype(dtypes[info["dtype"]]),
+                    tuple(info["shape"]),
+                    8 + n + a,
+                    8 + n + b,
+                )
 
     def __contains__(self, name):
         return name in self._entries
@@ -71,9 +77,16 @@ def main() -> None:
             times[name].append(time.perf_counter() - t)
             del model
     hf.SafetensorsDir = readers["safe_open"]
-    print(json.dumps({"checkpoint": "SmolLM2-135M-Instruct (fp32)", "load_avg_1min": os.getloadavg()[0],
-                      **{f"{k}_best_s": round(min(v), 3) for k, v in times.items()},
-                      **{f"{k}_all_s": [round(x, 3) for x in v] for k, v in times.items()}}))
+    print(
+        json.dumps(
+            {
+                "checkpoint": "SmolLM2-135M-Instruct (fp32)",
+                "load_avg_1min": os.getloadavg()[0],
+                **{f"{k}_best_s": round(min(v), 3) for k, v in times.items()},
+                **{f"{k}_all_s": [round(x, 3) for x in v] for k, v in times.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

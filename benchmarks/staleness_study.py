@@ -69,8 +69,15 @@ def eval_curve(rows: list[dict], responses_per_group: int) -> list[dict]:
             continue
         v = r["eval/version"]
         wall = 0.0 if v == 0 else rows[v - 1]["time/elapsed_s"] - rl_start
-        curve.append({"version": v, "rl_wall_s": float(wall), "samples": int(samples[v]), "tokens": int(tokens[v]),
-                      "accuracy": r["eval/accuracy"]})
+        curve.append(
+            {
+                "version": v,
+                "rl_wall_s": float(wall),
+                "samples": int(samples[v]),
+                "tokens": int(tokens[v]),
+                "accuracy": r["eval/accuracy"],
+            }
+        )
     return curve
 
 
@@ -94,8 +101,19 @@ def staleness_summary(rows: list[dict], responses_per_group: int) -> dict:
 
 def summarize_run(rows: list[dict], responses_per_group: int) -> dict:
     timing = summarize(rows, REWARD_THRESHOLD)
-    keep = ("steps", "median_rollout_s", "median_rollout_steady_s", "rollout_compile_s", "median_train_s",
-            "reward_first_20pct", "reward_last_20pct", "eval_first", "eval_last", "eval_gain", "aborted_per_step")
+    keep = (
+        "steps",
+        "median_rollout_s",
+        "median_rollout_steady_s",
+        "rollout_compile_s",
+        "median_train_s",
+        "reward_first_20pct",
+        "reward_last_20pct",
+        "eval_first",
+        "eval_last",
+        "eval_gain",
+        "aborted_per_step",
+    )
     return {**{k: timing[k] for k in keep}, **staleness_summary(rows, responses_per_group)}
 
 
@@ -109,9 +127,19 @@ def summarize_study(runs: list[dict]) -> dict:
     for name in settings:
         mine = [by[name, s] for s in seeds]
         final = [r["eval_last"] for r in mine]
-        entry = {key: spread([r[key] for r in mine])
-                 for key in ("eval_last", "eval_gain", "off_policy_token_frac", "trained_off_policy_frac",
-                             "staleness_mean", "median_rollout_s", "wall_s", "cpu_s")}
+        entry = {
+            key: spread([r[key] for r in mine])
+            for key in (
+                "eval_last",
+                "eval_gain",
+                "off_policy_token_frac",
+                "trained_off_policy_frac",
+                "staleness_mean",
+                "median_rollout_s",
+                "wall_s",
+                "cpu_s",
+            )
+        }
         entry["eval_last_per_seed"] = final
         if sync_final is not None and name != "sync":
             entry["eval_last_minus_sync_per_seed"] = [a - b for a, b in zip(final, sync_final)]
@@ -140,12 +168,17 @@ def plot(runs: list[dict], out: Path) -> None:
         style = dict(color=colors[name], alpha=0.8, lw=1.2, marker=".")
         ax_t.plot([p["rl_wall_s"] for p in curve], acc, label=label, **style)
         ax_n.plot([p["samples"] for p in curve], acc, **style)
-    ax_t.set(xlabel="wall-clock seconds of RL (after the warm-up)", ylabel="greedy exact-match accuracy",
-             title="held-out eval vs time")
+    ax_t.set(
+        xlabel="wall-clock seconds of RL (after the warm-up)",
+        ylabel="greedy exact-match accuracy",
+        title="held-out eval vs time",
+    )
     ax_n.set(xlabel="responses trained on", title="held-out eval vs samples")
     seeds = sorted({r["seed"] for r in runs})
-    fig.suptitle(f"APRIL at several staleness caps vs synchronous, seeds {','.join(map(str, seeds))} "
-                 "(one line per seed)", fontsize=10)
+    fig.suptitle(
+        f"APRIL at several staleness caps vs synchronous, seeds {','.join(map(str, seeds))} (one line per seed)",
+        fontsize=10,
+    )
     ax_t.legend(loc="lower right", fontsize=8)
     for ax in (ax_t, ax_n):
         ax.grid(alpha=0.3)
@@ -167,10 +200,13 @@ def main() -> None:
         sys.exit(f"error: unknown argument {bad[0]!r} (only --config.x=value overrides pass through)")
     config = str(Path(args.config).resolve())
     c = load_config(["x", "--config", config, *overrides])
-    sync = ["--config.rollout.partial_rollout=false",
-            f"--config.rollout.over_sampling_batch_size={c.rollout.rollout_batch_size}"]
-    settings = [(None, sync)] + [(int(k), [f"--config.rollout.max_staleness={int(k)}"])
-                                 for k in args.staleness.split(",")]
+    sync = [
+        "--config.rollout.partial_rollout=false",
+        f"--config.rollout.over_sampling_batch_size={c.rollout.rollout_batch_size}",
+    ]
+    settings = [(None, sync)] + [
+        (int(k), [f"--config.rollout.max_staleness={int(k)}"]) for k in args.staleness.split(",")
+    ]
     out = Path(args.out)
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
@@ -181,15 +217,26 @@ def main() -> None:
                 timing = json.loads((workdir / "benchmark_run.json").read_text())
             else:
                 timing = train(config, workdir, [*overrides, f"--config.seed={seed}", *extra])
-            run = {"setting": name, "max_staleness": max_staleness, "seed": seed, **timing,
-                   **summarize_run(read_metrics(workdir), c.rollout.n_samples_per_prompt)}
+            run = {
+                "setting": name,
+                "max_staleness": max_staleness,
+                "seed": seed,
+                **timing,
+                **summarize_run(read_metrics(workdir), c.rollout.n_samples_per_prompt),
+            }
             print(json.dumps(run), flush=True)
             runs.append(run)
 
-    overall = {"config": args.config, "seeds": sorted({r["seed"] for r in runs}), "overrides": overrides,
-               "responses_per_step": c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt,
-               "settings": summarize_study(runs), "loadavg_end": loadavg(), "cpus": os.cpu_count(),
-               "png": args.png}
+    overall = {
+        "config": args.config,
+        "seeds": sorted({r["seed"] for r in runs}),
+        "overrides": overrides,
+        "responses_per_step": c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt,
+        "settings": summarize_study(runs),
+        "loadavg_end": loadavg(),
+        "cpus": os.cpu_count(),
+        "png": args.png,
+    }
     if args.png:
         plot(runs, Path(args.png))
     print(json.dumps(overall, indent=1))

@@ -74,8 +74,10 @@ class StepCostMeter:
 
     def costs(self) -> dict[int, dict]:
         """b -> {"ms": ms per step, "steps": steps measured, "tokens_per_s": b / c(b)}, by b."""
-        return {b: {"ms": round(1000 * s / n, 2), "steps": int(n), "tokens_per_s": round(busy / s, 1)}
-                for b, (s, n, busy) in sorted(self.bins.items())}
+        return {
+            b: {"ms": round(1000 * s / n, 2), "steps": int(n), "tokens_per_s": round(busy / s, 1)}
+            for b, (s, n, busy) in sorted(self.bins.items())
+        }
 
 
 def ceiling(costs: dict[int, dict], min_steps: int = MIN_STEPS) -> dict:
@@ -85,5 +87,10 @@ def ceiling(costs: dict[int, dict], min_steps: int = MIN_STEPS) -> dict:
         return {"tokens_per_s": None, "at_running": None, "full_running": None, "full_tokens_per_s": None}
     best = max(ok, key=lambda b: ok[b]["tokens_per_s"])
     full = max(ok)
-    return {"tokens_per_s": ok[best]["tokens_per_s"], "at_running": best, "full_running": full,
-            "full_tokens_per_s": ok[full]["tokens_per_s"], "min_steps": min_steps}
+    return {
+        "tokens_per_s": ok[best]["tokens_per_s"],
+        "at_running": best,
+        "full_running": full,
+        "full_tokens_per_s": ok[full]["tokens_per_s"],
+        "min_steps": min_steps,
+    }

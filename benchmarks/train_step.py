@@ -49,10 +49,13 @@ def main():
     cfg = CONFIG_40M.replace(remat=args.remat)
     B, S = args.batch, args.seq
     rng = np.random.default_rng(0)
-    batch = {"input_ids": rng.integers(0, cfg.vocab_size, (B, S)).astype(np.int32),
-             "loss_mask": np.concatenate([np.zeros((B, 64)), np.ones((B, S - 65))], 1).astype(np.float32),
-             "behaviour_logp": np.full((B, S - 1), -10.0, np.float32), "versions": np.zeros((B, S - 1), np.int32),
-             "advantages": rng.normal(size=B).astype(np.float32)}
+    batch = {
+        "input_ids": rng.integers(0, cfg.vocab_size, (B, S)).astype(np.int32),
+        "loss_mask": np.concatenate([np.zeros((B, 64)), np.ones((B, S - 65))], 1).astype(np.float32),
+        "behaviour_logp": np.full((B, S - 1), -10.0, np.float32),
+        "versions": np.zeros((B, S - 1), np.int32),
+        "advantages": rng.normal(size=B).astype(np.float32),
+    }
     trainer = Trainer(qwen3.init_model(cfg), LossConfig(), OptimizerConfig(lr=1e-6), micro_batch_size=args.micro)
     t = time.perf_counter()
     trainer.step(batch, 0)
@@ -67,14 +70,26 @@ def main():
     T = S - 1
     L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
     flops = 8 * cfg.num_params * B * T + 8 * L * T * T * H * D * B
-    print(json.dumps({
-        "benchmark": "train_step", "backend": jax.default_backend(), "devices": jax.device_count(),
-        "params_m": round(cfg.num_params / 1e6, 1), "batch": B, "seq": S, "micro_batch": args.micro,
-        "remat": args.remat,
-        "compile_s": round(compile_s, 2), "step_s": round(step_s, 3), "tokens_per_s": round(B * T / step_s, 1),
-        "achieved_gflops": round(flops / step_s / 1e9, 1), "matmul_peak_gflops": round(peak / 1e9, 1),
-        "fraction_of_peak": round(flops / step_s / peak, 3),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "train_step",
+                "backend": jax.default_backend(),
+                "devices": jax.device_count(),
+                "params_m": round(cfg.num_params / 1e6, 1),
+                "batch": B,
+                "seq": S,
+                "micro_batch": args.micro,
+                "remat": args.remat,
+                "compile_s": round(compile_s, 2),
+                "step_s": round(step_s, 3),
+                "tokens_per_s": round(B * T / step_s, 1),
+                "achieved_gflops": round(flops / step_s / 1e9, 1),
+                "matmul_peak_gflops": round(peak / 1e9, 1),
+                "fraction_of_peak": round(flops / step_s / peak, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,17 +61,25 @@ def main():
     src = np.concatenate([t.numpy().ravel() for t in named.values()])
     dst = np.empty_like(src)
     memcpy_s = best_of(lambda: np.copyto(dst, src), args.repeats)
-    out = {"benchmark": "weight_sync", "params_m": round(CONFIG_40M.num_params / 1e6, 1), "bytes": nbytes,
-           "raw_memcpy_s": round(memcpy_s, 4), "transports": {}}
+    out = {
+        "benchmark": "weight_sync",
+        "params_m": round(CONFIG_40M.num_params / 1e6, 1),
+        "bytes": nbytes,
+        "raw_memcpy_s": round(memcpy_s, 4),
+        "transports": {},
+    }
     dirs = {"shm": "/dev/shm", "file": tempfile.gettempdir()}
     for name, base in dirs.items():
         if not os.path.isdir(base):
             continue
         path = os.path.join(base, f"april_jax_sync_{os.getpid()}.safetensors")
         total_s, write_s = time_file_transport(model, named, path, args.repeats)
-        out["transports"][name] = {"sync_s": round(total_s, 4), "write_only_s": round(write_s, 4),
-                                   "ratio_to_memcpy": round(total_s / memcpy_s, 2),
-                                   "write_ratio_to_memcpy": round(write_s / memcpy_s, 2)}
+        out["transports"][name] = {
+            "sync_s": round(total_s, 4),
+            "write_only_s": round(write_s, 4),
+            "ratio_to_memcpy": round(total_s / memcpy_s, 2),
+            "write_ratio_to_memcpy": round(write_s / memcpy_s, 2),
+        }
     if os.path.isdir("/dev/shm"):
         buffer = weights.SharedSafetensors(named, f"/dev/shm/april_jax_shared_{os.getpid()}.safetensors")
 
@@ -85,8 +93,11 @@ def main():
         total_s = best_of(shared_sync, args.repeats)
         os.remove(buffer.path)
         out["transports"]["shm_shared_buffer"] = {
-            "sync_s": round(total_s, 4), "write_only_s": round(write_s, 4),
-            "ratio_to_memcpy": round(total_s / memcpy_s, 2), "write_ratio_to_memcpy": round(write_s / memcpy_s, 2)}
+            "sync_s": round(total_s, 4),
+            "write_only_s": round(write_s, 4),
+            "ratio_to_memcpy": round(total_s / memcpy_s, 2),
+            "write_ratio_to_memcpy": round(write_s / memcpy_s, 2),
+        }
     print(json.dumps(out))
 
 

@@ -11,7 +11,9 @@ from april_jax.config import default_config
 def get_config(size: str = "4b"):
     c = default_config()
     c.workdir = f"runs/qwen3_{size}"
-    c.model.path = f"/path/to/Qwen3-{size.upper()}"  # a Hugging Face checkpoint dir (config.json, safetensors, tokenizer)
+    c.model.path = (
+        f"/path/to/Qwen3-{size.upper()}"  # a Hugging Face checkpoint dir (config.json, safetensors, tokenizer)
+    )
     # fp32 master weights, bf16 compute (as verl/FSDP mixed precision): with bf16 weights ~98% of
     # AdamW's lr-1e-6 updates round away (benchmarks/gpu_bf16_update.py; docs/performance.md).
     c.model.dtype = "float32"

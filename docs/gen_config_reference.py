@@ -68,15 +68,20 @@ def render() -> str:
             out.append("| key | type | default | allowed | what it does |")
             out.append("|---|---|---|---|---|")
         rule = spec.rule()
-        out.append(f"| `{spec.name}` | {spec.type.__name__} | {_cell(_default(spec.default))} | "
-                   f"{_cell(rule) if rule else 'any'} | {_cell(spec.doc)} |")
+        out.append(
+            f"| `{spec.name}` | {spec.type.__name__} | {_cell(_default(spec.default))} | "
+            f"{_cell(rule) if rule else 'any'} | {_cell(spec.doc)} |"
+        )
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help=f"compare with {REFERENCE.relative_to(ROOT)} "
-                                                             "instead of printing; exit 1 when it is stale")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"compare with {REFERENCE.relative_to(ROOT)} instead of printing; exit 1 when it is stale",
+    )
     args = parser.parse_args(argv)
     text = render()
     if not args.check:
@@ -85,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     committed = REFERENCE.read_text() if REFERENCE.exists() else ""
     if committed == text:
         return 0
-    diff = difflib.unified_diff(committed.splitlines(True), text.splitlines(True),
-                                str(REFERENCE.relative_to(ROOT)), "generated from the schema")
+    diff = difflib.unified_diff(
+        committed.splitlines(True), text.splitlines(True), str(REFERENCE.relative_to(ROOT)), "generated from the schema"
+    )
     sys.stderr.writelines(list(diff)[:60])
-    print(f"error: {REFERENCE.relative_to(ROOT)} is stale: run python docs/gen_config_reference.py "
-          f"> {REFERENCE.relative_to(ROOT)}", file=sys.stderr)
+    print(
+        f"error: {REFERENCE.relative_to(ROOT)} is stale: run python docs/gen_config_reference.py "
+        f"> {REFERENCE.relative_to(ROOT)}",
+        file=sys.stderr,
+    )
     return 1
 
 

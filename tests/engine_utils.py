@@ -14,6 +14,12 @@ def transformers_greedy(ref, prompt, new_tokens: int) -> list[int]:
     """Exactly `new_tokens` greedy tokens after `prompt` from transformers `generate` (no early stop)."""
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+        out = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist()

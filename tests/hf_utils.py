@@ -9,12 +9,24 @@ import transformers
 
 def tiny_hf_model(model_type: str = "qwen3", seed: int = 0, **overrides):
     """A random transformers causal LM (fp32, eval mode)."""
-    kw = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-              max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    kw = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     kw.update(overrides)
-    config_cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
-                  "llama": transformers.LlamaConfig}[model_type]
+    config_cls = {
+        "qwen3": transformers.Qwen3Config,
+        "qwen2": transformers.Qwen2Config,
+        "llama": transformers.LlamaConfig,
+    }[model_type]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**kw), dtype=torch.float32).eval()
     # Non-trivial norm weights and biases, so a mapping mistake shows up in the logits.

@@ -29,7 +29,7 @@ def listening(port: int) -> list[str]:
             host, hex_port = local.split(":")
             if state == "0A" and int(hex_port, 16) == port:
                 # the kernel writes each 32-bit word of the address in host (little-endian) order
-                raw = b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8))
+                raw = b"".join(bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8))
                 address = ipaddress.ip_address(raw)
                 found.append(str(getattr(address, "ipv4_mapped", None) or address))  # ::ffff:a.b.c.d: IPv4
     return found

@@ -17,8 +17,13 @@ def text_answer(response: str, answer: str) -> float:
 
 def uses_sample(sample) -> float:
     """The sample form: checks every part of the sample it is given."""
-    ok = (sample["response"] == sample.response and isinstance(sample.prompt_ids, list) and sample.prompt_text
-          and sample.finish_reason in ("stop", "length") and sample.fields.get("difficulty") == "easy")
+    ok = (
+        sample["response"] == sample.response
+        and isinstance(sample.prompt_ids, list)
+        and sample.prompt_text
+        and sample.finish_reason in ("stop", "length")
+        and sample.fields.get("difficulty") == "easy"
+    )
     return 1.0 if ok else -1.0
 
 
@@ -63,7 +68,11 @@ def chat_run(sample) -> float:
     if sample.answer == "7":
         while True:
             time.sleep(1)
-    if not (isinstance(sample.prompt, list) and sample.prompt[-1]["role"] == "user"
-            and sample.prompt[-1]["content"] in sample.prompt_text and sample.fields["level"] == int(sample.answer)):
+    if not (
+        isinstance(sample.prompt, list)
+        and sample.prompt[-1]["role"] == "user"
+        and sample.prompt[-1]["content"] in sample.prompt_text
+        and sample.fields["level"] == int(sample.answer)
+    ):
         return -1.0
     return float(len(sample.response_ids) % 2 == 0)

@@ -56,14 +56,28 @@ def check_invariants(cfg, april, delivered):
     assert len(seen) + len(buffered) + len(dropped) == april.drawn, "a drawn prompt was lost"
 
 
-@pytest.mark.parametrize("stale_policy,refill,resume_count", [("restart", "groups", "fraction"),
-                                                             ("drop_group", "groups", "fraction"),
-                                                             ("restart", "groups", "group"),
-                                                             ("restart", "members", "fraction")])
+@pytest.mark.parametrize(
+    "stale_policy,refill,resume_count",
+    [
+        ("restart", "groups", "fraction"),
+        ("drop_group", "groups", "fraction"),
+        ("restart", "groups", "group"),
+        ("restart", "members", "fraction"),
+    ],
+)
 def test_invariants_over_many_steps(stale_policy, refill, resume_count):
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
-                        max_response_len=300, max_staleness=2, stale_policy=stale_policy, stop_token_ids=(0,),
-                        refill=refill, resume_count=resume_count, inflight="over_sampling")
+    cfg = RolloutConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=8,
+        max_response_len=300,
+        max_staleness=2,
+        stale_policy=stale_policy,
+        stop_token_ids=(0,),
+        refill=refill,
+        resume_count=resume_count,
+        inflight="over_sampling",
+    )
     april, engine, delivered = run_steps(cfg, 15)
     check_invariants(cfg, april, delivered)
     metrics = [m for _, _, m in delivered]
@@ -89,8 +103,15 @@ def test_invariants_on_roofline_replicas_with_a_tight_kv_budget(deployment):
     cost = cost_model.Roofline(**{**dataclasses.asdict(base), "hbm_bytes": hbm})
     engine = SimReplicas(2, slots=16, cost=cost, seed=1, length_scale=1 / 16, deployment=deployment)
     reuse = deployment == "disaggregated"
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
-                        max_response_len=1500, max_staleness=3, stop_token_ids=(0,), inflight="over_sampling")
+    cfg = RolloutConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=8,
+        max_response_len=1500,
+        max_staleness=3,
+        stop_token_ids=(0,),
+        inflight="over_sampling",
+    )
     april, engine, delivered = run_steps(cfg, 10, engine=engine)
     check_invariants(cfg, april, delivered)
     stats = engine.stats()
@@ -102,16 +123,29 @@ def test_invariants_on_roofline_replicas_with_a_tight_kv_budget(deployment):
 def assert_bounds_hold(cost, cfg, delivered, engine, replicas, slots):
     """The free and the staleness-windowed lower bounds never exceed the simulated time, and the
     windowed one is at least the free one (each response's tokens within [step - cap, step])."""
-    rows = [(len(g.prompt.prompt_ids), len(s.response_ids), max(step - cfg.max_staleness, 0), step)
-            for step, gs, _ in delivered for g in gs for s in g.samples]
+    rows = [
+        (len(g.prompt.prompt_ids), len(s.response_ids), max(step - cfg.max_staleness, 0), step)
+        for step, gs, _ in delivered
+        for g in gs
+        for s in g.samples
+    ]
     ctx = [np.arange(n) + p for p, n, _, _ in rows]
-    kw = dict(tokens=sum(n for _, n, _, _ in rows), ctx_sum=int(sum(c.sum() for c in ctx)),
-              prompt_lens=[8] * (len(rows) // cfg.n_samples_per_prompt), slots=slots, replicas=replicas,
-              syncs=len(delivered) - 1)
+    kw = dict(
+        tokens=sum(n for _, n, _, _ in rows),
+        ctx_sum=int(sum(c.sum() for c in ctx)),
+        prompt_lens=[8] * (len(rows) // cfg.n_samples_per_prompt),
+        slots=slots,
+        replicas=replicas,
+        syncs=len(delivered) - 1,
+    )
     windows = cost_model.StalenessWindows(
-        tokens=np.array([len(c) for c in ctx], float), sqrt_ctx=np.array([np.sqrt(c).sum() for c in ctx]),
-        ctx=np.array([c.sum() for c in ctx], float), first=np.array([r[2] for r in rows]),
-        last=np.array([r[3] for r in rows]), steps=len(delivered))
+        tokens=np.array([len(c) for c in ctx], float),
+        sqrt_ctx=np.array([np.sqrt(c).sum() for c in ctx]),
+        ctx=np.array([c.sum() for c in ctx], float),
+        first=np.array([r[2] for r in rows]),
+        last=np.array([r[3] for r in rows]),
+        steps=len(delivered),
+    )
     free = cost_model.time_lower_bound_s(cost, **kw)
     bound = cost_model.time_lower_bound_s(cost, **kw, windows=windows)
     assert free <= bound <= engine.now()
@@ -154,9 +188,16 @@ def test_inflight_auto_sizes_requests_by_the_staleness_cap_and_the_kv_budget(max
     hbm = (20_000 * base.kv_bytes_per_token + base.weight_bytes + base.activation_reserve_bytes) / base.mem_util
     cost = cost_model.Roofline(**{**dataclasses.asdict(base), "hbm_bytes": hbm})
     engine = SimReplicas(2, slots=64, cost=cost, seed=2, length_scale=1 / 16, reuse_aborted_kv=True)
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=16,
-                        max_response_len=2048, max_staleness=max_staleness, stop_token_ids=(0,), refill="members",
-                        inflight="auto")
+    cfg = RolloutConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=16,
+        max_response_len=2048,
+        max_staleness=max_staleness,
+        stop_token_ids=(0,),
+        refill="members",
+        inflight="auto",
+    )
     april = April(cfg, prompt_stream())
     wrapped, delivered, peaks = Outstanding(engine), [], []
     for step in range(8):
@@ -164,7 +205,9 @@ def test_inflight_auto_sizes_requests_by_the_staleness_cap_and_the_kv_budget(max
         expected = cfg.rollout_batch_size * 4
         if seen["responses"]:
             per_step = 4 * 4 * seen["tokens"] / seen["responses"]
-            expected = min(16 * 4, int((max_staleness + 1 + cfg.inflight_headroom) * per_step / 2048))  # at the step's start
+            expected = min(
+                16 * 4, int((max_staleness + 1 + cfg.inflight_headroom) * per_step / 2048)
+            )  # at the step's start
         ctx = seen["ctx"] / seen["tokens"] if seen["tokens"] else 1024
         expected = max(min(expected, int(0.85 * 2 * cost.kv_budget_tokens / ctx)), 4)
         wrapped.peak = wrapped.now_out  # 0: every request was aborted at the last step's end
@@ -189,8 +232,15 @@ def test_inflight_auto_limit_shrinks_over_the_step_by_the_steps_a_start_has_left
     R = int((3 - f) x 16000 / 2048) = 23 at the start, 19 half-way, 15 at the end (the old
     max_staleness-steps sizing), within over-sampling 16 x 4; the KV budget (CPU model) is unbounded.
     inflight_headroom h adds h steps: int((3.5 - f) x 16000 / 2048) = 27, 23, 19 at h = 0.5."""
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=16,
-                        max_response_len=2048, max_staleness=2, inflight="auto", inflight_headroom=0.0)
+    cfg = RolloutConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=16,
+        max_response_len=2048,
+        max_staleness=2,
+        inflight="auto",
+        inflight_headroom=0.0,
+    )
     april = April(cfg, prompt_stream())
     april.seen = {"responses": 16, "tokens": 16_000, "ctx": 16 * (1000 * 8 + 1000 * 999 // 2)}
     engine = SimEngine(slots=64)
@@ -204,9 +254,16 @@ def test_inflight_auto_limit_shrinks_over_the_step_by_the_steps_a_start_has_left
 def test_inflight_auto_starts_no_fresh_group_past_the_late_start_cutoff(cutoff):
     """With late_start_cutoff 0.5 no fresh group starts once half the step's groups are delivered (the
     groups in flight always suffice here); without a cutoff (1.0) some do, so the check can fail."""
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=16,
-                        max_response_len=2000, max_staleness=3, refill="members", inflight="auto",
-                        late_start_cutoff=cutoff)
+    cfg = RolloutConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=16,
+        max_response_len=2000,
+        max_staleness=3,
+        refill="members",
+        inflight="auto",
+        late_start_cutoff=cutoff,
+    )
     april, _, delivered = run_steps(cfg, 10, slots=64, length_scale=1 / 16)
     check_invariants(cfg, april, delivered)
     late = [m["rollout/fresh_start_progress_max"] for _, _, m in delivered]
@@ -225,11 +282,21 @@ def test_finish_wait_saves_groups_at_their_last_allowed_version():
     or past the cap either way."""
     runs = {}
     for wait in (0.0, 1.0):
-        cfg = RolloutConfig(rollout_batch_size=16, n_samples_per_prompt=4, over_sampling_batch_size=32,
-                            max_response_len=2048, max_staleness=2, stop_token_ids=(0,), refill="members",
-                            inflight="auto", finish_wait=wait, inflight_headroom=0.75)
-        engine = SimReplicas(2, slots=64, cost=cost_model.make("h200-qwen3-4b"), seed=3, length_scale=1 / 16,
-                             reuse_aborted_kv=True)
+        cfg = RolloutConfig(
+            rollout_batch_size=16,
+            n_samples_per_prompt=4,
+            over_sampling_batch_size=32,
+            max_response_len=2048,
+            max_staleness=2,
+            stop_token_ids=(0,),
+            refill="members",
+            inflight="auto",
+            finish_wait=wait,
+            inflight_headroom=0.75,
+        )
+        engine = SimReplicas(
+            2, slots=64, cost=cost_model.make("h200-qwen3-4b"), seed=3, length_scale=1 / 16, reuse_aborted_kv=True
+        )
         april, engine, delivered = run_steps(cfg, 14, engine=engine)
         check_invariants(cfg, april, delivered)
         metrics = [m for _, _, m in delivered]
@@ -251,8 +318,15 @@ def test_member_refill_keeps_the_engine_full_where_group_counting_drains_it():
     member refill starts a new group whenever a group's worth of requests has finished."""
     busy = {}
     for refill in ("groups", "members"):
-        cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
-                            max_response_len=2000, max_staleness=100, refill=refill, inflight="over_sampling")
+        cfg = RolloutConfig(
+            rollout_batch_size=4,
+            n_samples_per_prompt=4,
+            over_sampling_batch_size=8,
+            max_response_len=2000,
+            max_staleness=100,
+            refill=refill,
+            inflight="over_sampling",
+        )
         april, engine, delivered = run_steps(cfg, 8, slots=64, length_scale=1 / 16)
         check_invariants(cfg, april, delivered)
         stats = engine.stats()
@@ -261,8 +335,13 @@ def test_member_refill_keeps_the_engine_full_where_group_counting_drains_it():
 
 
 def test_resumed_response_ends_where_an_uninterrupted_one_would():
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
-                        max_response_len=100_000, max_staleness=100)
+    cfg = RolloutConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=8,
+        max_response_len=100_000,
+        max_staleness=100,
+    )
     april, engine, delivered = run_steps(cfg, 10)
     resumed = [s for _, gs, _ in delivered for g in gs for s in g.samples if s.segments > 1]
     assert resumed
@@ -271,8 +350,14 @@ def test_resumed_response_ends_where_an_uninterrupted_one_would():
 
 
 def test_sync_baseline_never_aborts():
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=4,
-                        partial_rollout=False, max_response_len=300, max_staleness=2)
+    cfg = RolloutConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=4,
+        partial_rollout=False,
+        max_response_len=300,
+        max_staleness=2,
+    )
     april, _, delivered = run_steps(cfg, 6)
     check_invariants(cfg, april, delivered)
     assert all(m["rollout/aborted"] == 0 and m["rollout/off_policy_token_frac"] == 0 for _, _, m in delivered)
@@ -280,8 +365,14 @@ def test_sync_baseline_never_aborts():
 
 
 def test_dynamic_sampling_filters_zero_variance_groups_and_refills():
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=2, over_sampling_batch_size=6,
-                        max_response_len=300, max_staleness=3, dynamic_sampling=True)
+    cfg = RolloutConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        over_sampling_batch_size=6,
+        max_response_len=300,
+        max_staleness=3,
+        dynamic_sampling=True,
+    )
     reward = lambda s, prompt: float(len(s.response_ids) % 2)  # equal in about half the groups
     april, _, delivered = run_steps(cfg, 8, reward)
     check_invariants(cfg, april, delivered)
@@ -292,8 +383,9 @@ def test_dynamic_sampling_filters_zero_variance_groups_and_refills():
 
 
 def test_buffer_and_state_round_trip_exactly():
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8,
-                        max_response_len=300, max_staleness=2)
+    cfg = RolloutConfig(
+        rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=8, max_response_len=300, max_staleness=2
+    )
     april, _, _ = run_steps(cfg, 4)
     assert len(april.buffer) > 0
     state = json.loads(json.dumps(april.state_dict()))
@@ -304,30 +396,41 @@ def test_buffer_and_state_round_trip_exactly():
 
 
 def test_eviction_counts_dropped_prompts():
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=8,
-                        max_response_len=300, max_staleness=5, buffer_capacity=2)
+    cfg = RolloutConfig(
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        over_sampling_batch_size=8,
+        max_response_len=300,
+        max_staleness=5,
+        buffer_capacity=2,
+    )
     april, _, delivered = run_steps(cfg, 5)
     check_invariants(cfg, april, delivered)
     assert "evicted" in april.dropped.values()
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (dict(over_sampling_batch_size=2, rollout_batch_size=4), "rollout.over_sampling_batch_size=2"),
-    (dict(n_samples_per_prompt=0), "rollout.n_samples_per_prompt=0"),
-    (dict(stale_policy="keep"), "rollout.stale_policy='keep'"),
-    (dict(schedule="lifo"), "rollout.schedule='lifo'"),
-    (dict(refill="tokens"), "rollout.refill='tokens'"),
-    (dict(resume_count="half"), "rollout.resume_count='half'"),
-    (dict(inflight="tokens"), "rollout.inflight='tokens'"),
-    (dict(max_response_len=-1), "rollout.max_response_len=-1"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (dict(over_sampling_batch_size=2, rollout_batch_size=4), "rollout.over_sampling_batch_size=2"),
+        (dict(n_samples_per_prompt=0), "rollout.n_samples_per_prompt=0"),
+        (dict(stale_policy="keep"), "rollout.stale_policy='keep'"),
+        (dict(schedule="lifo"), "rollout.schedule='lifo'"),
+        (dict(refill="tokens"), "rollout.refill='tokens'"),
+        (dict(resume_count="half"), "rollout.resume_count='half'"),
+        (dict(inflight="tokens"), "rollout.inflight='tokens'"),
+        (dict(max_response_len=-1), "rollout.max_response_len=-1"),
+    ],
+)
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         RolloutConfig(**overrides).validate()
 
 
 def test_short_first_orders_known_short_prompts_first():
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, schedule="short_first")
+    cfg = RolloutConfig(
+        rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, schedule="short_first"
+    )
     april = April(cfg, prompt_stream())
     groups = [april._new_group() for _ in range(3)]
     for g, length in zip(groups, (500, 20, 80)):
@@ -339,13 +442,15 @@ def test_short_first_orders_known_short_prompts_first():
 
 # ---- the real engine: abort -> buffer -> resume gives the uninterrupted greedy tokens ----
 
+
 @pytest.mark.slow
 def test_jax_engine_abort_buffer_resume_matches_uninterrupted():
     model = qwen3.init_model(TINY_QWEN3.replace(initializer_range=0.3), seed=3)
     prompts = list(itertools.islice(prompt_stream(length=6, vocab=64, seed=4), 24))
     max_len = 40
     reference = JaxEngine(model, max_num_seqs=8, max_model_len=64).generate(
-        [Request(p.uid, p.prompt_ids, max_len, SamplingParams(0.0)) for p in prompts])
+        [Request(p.uid, p.prompt_ids, max_len, SamplingParams(0.0)) for p in prompts]
+    )
     # Stop tokens chosen from the outputs so responses end at very different lengths.
     counts = np.bincount(np.concatenate([r.token_ids for r in reference.values()]), minlength=64)
     stops = tuple(int(t) for t in np.argsort(counts)[-3:-1])
@@ -358,8 +463,15 @@ def test_jax_engine_abort_buffer_resume_matches_uninterrupted():
     lengths = [len(expected(p.uid)) for p in prompts]
     assert min(lengths) < 10 and max(lengths) == max_len
 
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=5,
-                        max_response_len=max_len, temperature=0.0, stop_token_ids=stops, max_staleness=100)
+    cfg = RolloutConfig(
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        over_sampling_batch_size=5,
+        max_response_len=max_len,
+        temperature=0.0,
+        stop_token_ids=stops,
+        max_staleness=100,
+    )
     engine = JaxEngine(model, max_num_seqs=4, max_model_len=64)
     april = April(cfg, iter(prompts))
     delivered = []

@@ -27,11 +27,18 @@ from april_jax import assets
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/tiny.py")
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-           PYTHONPATH=str(ROOT))
-SMALL = ["--config.warmup.steps=2", "--config.rollout.rollout_batch_size=2", "--config.rollout.over_sampling_batch_size=4",
-         "--config.rollout.n_samples_per_prompt=2", "--config.rollout.max_num_seqs=8", "--config.train.micro_batch_size=4",
-         "--config.eval.every=0", "--config.log.progress=false", "--config.log.tensorboard=false"]
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+SMALL = [
+    "--config.warmup.steps=2",
+    "--config.rollout.rollout_batch_size=2",
+    "--config.rollout.over_sampling_batch_size=4",
+    "--config.rollout.n_samples_per_prompt=2",
+    "--config.rollout.max_num_seqs=8",
+    "--config.train.micro_batch_size=4",
+    "--config.eval.every=0",
+    "--config.log.progress=false",
+    "--config.log.tensorboard=false",
+]
 
 
 def train(*args) -> list[str]:
@@ -67,6 +74,7 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *names: str) -> str
 
 # ---- inputs ----
 
+
 def make_inputs(base: Path) -> dict:
     from hf_utils import save_tiny
 
@@ -84,11 +92,15 @@ def make_inputs(base: Path) -> dict:
     rows = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
     good = base / "good.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    long_rows = rows[:1] + [{"prompt": "Add these numbers: " + " + ".join(map(str, range(200))), "answer": "19900"}] + rows[1:]
+    long_rows = (
+        rows[:1] + [{"prompt": "Add these numbers: " + " + ".join(map(str, range(200))), "answer": "19900"}] + rows[1:]
+    )
     long = base / "long.jsonl"
     long.write_text("".join(json.dumps(r) + "\n" for r in long_rows))
     non_utf8 = base / "latin1.jsonl"
-    non_utf8.write_bytes(json.dumps(rows[0]).encode() + b"\n" + '{"prompt": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1"))
+    non_utf8.write_bytes(
+        json.dumps(rows[0]).encode() + b"\n" + '{"prompt": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1")
+    )
     fake_parquet = base / "table.parquet"
     fake_parquet.write_text("prompt,answer\n1+1,2\n")
     syntax = base / "broken_config.py"
@@ -104,14 +116,29 @@ def make_inputs(base: Path) -> dict:
     no_meta = base / "foreign_ckpt" / "7"
     (no_meta / "meta").mkdir(parents=True)
     (no_meta / "meta" / "metadata").write_text('{"step": 7}')
-    return dict(smol=str(smol), good_model=good_model, bad_config=bad_config, truncated=truncated, good=good,
-                long=long, non_utf8=non_utf8, fake_parquet=fake_parquet, syntax=syntax, previous=previous,
-                no_meta=no_meta)
+    return dict(
+        smol=str(smol),
+        good_model=good_model,
+        bad_config=bad_config,
+        truncated=truncated,
+        good=good,
+        long=long,
+        non_utf8=non_utf8,
+        fake_parquet=fake_parquet,
+        syntax=syntax,
+        previous=previous,
+        no_meta=no_meta,
+    )
 
 
 def file_task(tokenizer: str, data: Path) -> list[str]:
-    return ["--config.data.task=file", f"--config.data.tokenizer_path={tokenizer}", f"--config.data.train_path={data}",
-            "--config.warmup.steps=0", "--config.data.max_prompt_len=48"]
+    return [
+        "--config.data.task=file",
+        f"--config.data.tokenizer_path={tokenizer}",
+        f"--config.data.train_path={data}",
+        "--config.warmup.steps=0",
+        "--config.data.max_prompt_len=48",
+    ]
 
 
 # name -> (extra train args (from the inputs), names the error line must contain); workdir: fresh or a copy
@@ -120,22 +147,35 @@ CONFIG_CASES = {
     "warmup_batch_size_zero": (lambda i: ["--config.warmup.batch_size=0"], ["'warmup.batch_size'=0"]),
     "schedule_invalid_choice": (lambda i: ["--config.optimizer.schedule=linear"], ["'optimizer.schedule'='linear'"]),
     "reward_workers_zero": (lambda i: ["--config.reward.workers=0"], ["'reward.workers'=0"]),
-    "rollout_batch_size_negative": (lambda i: ["--config.rollout.rollout_batch_size=-4"],
-                                    ["rollout.rollout_batch_size=-4"]),
+    "rollout_batch_size_negative": (
+        lambda i: ["--config.rollout.rollout_batch_size=-4"],
+        ["rollout.rollout_batch_size=-4"],
+    ),
     "lr_infinite": (lambda i: ["--config.optimizer.lr=inf"], ["'optimizer.lr'=inf"]),
     "overlong_policy_invalid": (lambda i: ["--config.data.overlong_prompt=truncate"], ["'data.overlong_prompt'"]),
 }
 INPUT_CASES = {
-    "model_config_json_corrupt": (lambda i: [f"--config.model.path={i['bad_config']}"],
-                                  ["hf_bad_config/config.json", "invalid JSON"]),
-    "safetensors_truncated": (lambda i: [f"--config.model.path={i['truncated']}"],
-                              ["hf_truncated/model.safetensors", "not a readable safetensors file"]),
+    "model_config_json_corrupt": (
+        lambda i: [f"--config.model.path={i['bad_config']}"],
+        ["hf_bad_config/config.json", "invalid JSON"],
+    ),
+    "safetensors_truncated": (
+        lambda i: [f"--config.model.path={i['truncated']}"],
+        ["hf_truncated/model.safetensors", "not a readable safetensors file"],
+    ),
     "jsonl_not_utf8": (lambda i: file_task(i["smol"], i["non_utf8"]), ["latin1.jsonl:2", "not UTF-8"]),
-    "parquet_not_parquet": (lambda i: file_task(i["smol"], i["fake_parquet"]), ["table.parquet", "not a readable parquet"]),
-    "prompt_longer_than_max_prompt_len": (lambda i: file_task(i["smol"], i["long"]),
-                                          ["long.jsonl:2", "data.max_prompt_len=48"]),
-    "tokenizer_vocab_larger_than_model": (lambda i: file_task(i["smol"], i["good"]) + [f"--config.model.path={i['good_model']}"],
-                                          ["49152 tokens", "only 16"]),
+    "parquet_not_parquet": (
+        lambda i: file_task(i["smol"], i["fake_parquet"]),
+        ["table.parquet", "not a readable parquet"],
+    ),
+    "prompt_longer_than_max_prompt_len": (
+        lambda i: file_task(i["smol"], i["long"]),
+        ["long.jsonl:2", "data.max_prompt_len=48"],
+    ),
+    "tokenizer_vocab_larger_than_model": (
+        lambda i: file_task(i["smol"], i["good"]) + [f"--config.model.path={i['good_model']}"],
+        ["49152 tokens", "only 16"],
+    ),
 }
 
 
@@ -147,19 +187,43 @@ def launched(tmp_path_factory):
     pool = cf.ThreadPoolExecutor(max_workers=3)
     jobs, workdirs = {}, {}
     # the real runs first: they are the long poles
-    jobs["trained"] = pool.submit(lambda: run(train("--config", TINY, f"--config.workdir={base / 'trained'}", *SMALL,
-                                                    "--config.train.total_steps=1", "--config.checkpoint.every=1")))
-    jobs["nan_reward"] = pool.submit(lambda: run(train(
-        "--config", TINY, f"--config.workdir={base / 'nan_reward'}", *SMALL, *file_task(inputs["smol"], inputs["long"]),
-        "--config.data.overlong_prompt=skip", "--config.reward.fn=tests.reward_fns:not_a_number",
-        "--config.rollout.max_response_len=4", "--config.train.total_steps=4", "--config.train.max_skipped_steps=2")))
+    jobs["trained"] = pool.submit(
+        lambda: run(
+            train(
+                "--config",
+                TINY,
+                f"--config.workdir={base / 'trained'}",
+                *SMALL,
+                "--config.train.total_steps=1",
+                "--config.checkpoint.every=1",
+            )
+        )
+    )
+    jobs["nan_reward"] = pool.submit(
+        lambda: run(
+            train(
+                "--config",
+                TINY,
+                f"--config.workdir={base / 'nan_reward'}",
+                *SMALL,
+                *file_task(inputs["smol"], inputs["long"]),
+                "--config.data.overlong_prompt=skip",
+                "--config.reward.fn=tests.reward_fns:not_a_number",
+                "--config.rollout.max_response_len=4",
+                "--config.train.total_steps=4",
+                "--config.train.max_skipped_steps=2",
+            )
+        )
+    )
     for name, (args, _) in CONFIG_CASES.items():
         workdirs[name] = base / f"fresh_{name}"
         jobs[name] = pool.submit(run, train("--config", TINY, f"--config.workdir={workdirs[name]}", *args(inputs)))
     for name, (args, _) in INPUT_CASES.items():
         workdirs[name] = base / f"copy_{name}"
         shutil.copytree(inputs["previous"], workdirs[name])
-        jobs[name] = pool.submit(run, train("--config", TINY, f"--config.workdir={workdirs[name]}", *SMALL, *args(inputs)))
+        jobs[name] = pool.submit(
+            run, train("--config", TINY, f"--config.workdir={workdirs[name]}", *SMALL, *args(inputs))
+        )
     missing = base / "no_such_config.py"
     jobs["config_file_missing"] = pool.submit(run, train("--config", str(missing)))
     jobs["config_file_syntax_error"] = pool.submit(run, train("--config", str(inputs["syntax"])))
@@ -189,14 +253,19 @@ def test_bad_input_file_leaves_the_workdir_as_it_was(launched, name):
 @pytest.mark.slow
 def test_config_file_missing_or_broken_is_named(launched):
     assert_one_error_line(launched["jobs"]["config_file_missing"].result(), str(launched["missing"]), "not found")
-    assert_one_error_line(launched["jobs"]["config_file_syntax_error"].result(),
-                          f"{launched['inputs']['syntax']}:3", "syntax error")
+    assert_one_error_line(
+        launched["jobs"]["config_file_syntax_error"].result(), f"{launched['inputs']['syntax']}:3", "syntax error"
+    )
 
 
 @pytest.mark.slow
 def test_ckpt_inspect_without_april_meta(launched):
-    assert_one_error_line(launched["jobs"]["inspect_without_april_meta"].result(), "foreign_ckpt/7",
-                          "not an april_jax checkpoint", "april")
+    assert_one_error_line(
+        launched["jobs"]["inspect_without_april_meta"].result(),
+        "foreign_ckpt/7",
+        "not an april_jax checkpoint",
+        "april",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -257,15 +326,29 @@ def test_divergence_stops_with_the_last_good_checkpoint_intact(trained):
             f.write_bytes(b"\0" * 16)  # corrupt
     (checkpoints / "9").mkdir()  # empty
     good = snapshot(checkpoints / "1")
-    proc = run(train("--config", TINY, f"--config.workdir={workdir}", *SMALL, "--config.train.total_steps=5",
-                     "--config.checkpoint.every=1", "--config.optimizer.lr=1e39", "--config.train.max_skipped_steps=2"))
-    assert_one_error_line(proc, "stopped after 2 skipped steps", "non-finite", f"last good checkpoint: {checkpoints / '1'}")
+    proc = run(
+        train(
+            "--config",
+            TINY,
+            f"--config.workdir={workdir}",
+            *SMALL,
+            "--config.train.total_steps=5",
+            "--config.checkpoint.every=1",
+            "--config.optimizer.lr=1e39",
+            "--config.train.max_skipped_steps=2",
+        )
+    )
+    assert_one_error_line(
+        proc, "stopped after 2 skipped steps", "non-finite", f"last good checkpoint: {checkpoints / '1'}"
+    )
     for step in (9, 8):
         assert f"warning: checkpoint {checkpoints / str(step)} is unreadable" in proc.stderr
     assert "resumed from" in proc.stderr and "(step 1," in proc.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == ["1"], "a skipped step wrote a checkpoint"
     assert snapshot(checkpoints / "1") == good
-    assert sorted(p.name for p in (workdir / "checkpoints.unreadable").iterdir()) == ["8", "9"], "set aside, not deleted"
+    assert sorted(p.name for p in (workdir / "checkpoints.unreadable").iterdir()) == ["8", "9"], (
+        "set aside, not deleted"
+    )
     rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["train/skipped"] == 1 for r in rows[1:])
 
@@ -277,8 +360,9 @@ def test_nan_reward_on_every_sample_stops_the_run(launched):
     file has one prompt over data.max_prompt_len, skipped with a count (overlong_prompt=skip); the
     tiny model is sized to the 49k-token tokenizer."""
     proc = launched["jobs"]["nan_reward"].result()
-    assert_one_error_line(proc, "stopped after 2 skipped steps", "every reward failed",
-                          "last good checkpoint: none written")
+    assert_one_error_line(
+        proc, "stopped after 2 skipped steps", "every reward failed", "last good checkpoint: none written"
+    )
     assert "data.overlong_prompt=skip: skipped 1 of 9 prompts" in proc.stderr and "long.jsonl:2" in proc.stderr
     workdir = launched["base"] / "nan_reward"
     rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -292,8 +376,19 @@ def test_an_unusable_compile_cache_folder_is_one_line_and_no_workdir(tmp_path):
     (tmp_path / "a_file").write_text("")
     folder, workdir = tmp_path / "a_file" / "xla", tmp_path / "run"
     env = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    proc = subprocess.run(train("--config", str(ROOT / "configs/tiny.py"), f"--config.workdir={workdir}",
-                                f"--config.train.compile_cache_dir={folder}", *SMALL),
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        train(
+            "--config",
+            str(ROOT / "configs/tiny.py"),
+            f"--config.workdir={workdir}",
+            f"--config.train.compile_cache_dir={folder}",
+            *SMALL,
+        ),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert_one_error_line(proc, "train.compile_cache_dir", str(folder))
     assert not workdir.exists()

@@ -28,8 +28,13 @@ from april_jax.config import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/tiny.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=1")
-FAST = ["--config.warmup.steps=0", "--config.train.total_steps=1", "--config.eval.every=0",
-        "--config.log.tensorboard=false", "--config.log.progress=false"]
+FAST = [
+    "--config.warmup.steps=0",
+    "--config.train.total_steps=1",
+    "--config.eval.every=0",
+    "--config.log.tensorboard=false",
+    "--config.log.progress=false",
+]
 HOSTILE = "{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}"
 
 
@@ -50,8 +55,12 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *names: str) -> str
 
 
 def file_task(tokenizer: Path, data: Path) -> list[str]:
-    return ["--config.data.task=file", f"--config.data.tokenizer_path={tokenizer}", f"--config.data.train_path={data}",
-            "--config.data.max_prompt_len=64"]
+    return [
+        "--config.data.task=file",
+        f"--config.data.tokenizer_path={tokenizer}",
+        f"--config.data.train_path={data}",
+        "--config.data.max_prompt_len=64",
+    ]
 
 
 def hostile_tokenizer(folder: Path, marker: Path) -> Path:
@@ -109,8 +118,11 @@ def test_reward_fn_on_the_reverse_task_is_the_one_that_scores():
 
     c = config_lib.default_config()
     c.model.arch, c.data.task, c.reward.workers = "tiny", "reverse", 1
-    for spec, scores_with in [("", "reverse"), ("reverse", "reverse"),
-                              ("tests.reward_fns:text_answer", "tests.reward_fns:text_answer")]:
+    for spec, scores_with in [
+        ("", "reverse"),
+        ("reverse", "reverse"),
+        ("tests.reward_fns:text_answer", "tests.reward_fns:text_answer"),
+    ]:
         c.reward.fn = spec
         task = build_task(c, None)
         try:
@@ -123,12 +135,16 @@ def test_reward_fn_on_the_reverse_task_is_the_one_that_scores():
 
 
 def test_max_model_len_that_the_prompts_fill_is_one_line_naming_the_longest(cli):
-    line = assert_one_error_line(cli["jobs"]["max_model_len_under_reverse_prompts"].result(),
-                                 "config key 'rollout.max_model_len'=20", "the longest prompt has 23 tokens",
-                                 "data.reverse_lengths")
+    line = assert_one_error_line(
+        cli["jobs"]["max_model_len_under_reverse_prompts"].result(),
+        "config key 'rollout.max_model_len'=20",
+        "the longest prompt has 23 tokens",
+        "data.reverse_lengths",
+    )
     assert "no room for a response" in line
-    line = assert_one_error_line(cli["jobs"]["max_model_len_under_file_prompts"].result(),
-                                 "config key 'rollout.max_model_len'=16")
+    line = assert_one_error_line(
+        cli["jobs"]["max_model_len_under_file_prompts"].result(), "config key 'rollout.max_model_len'=16"
+    )
     tokens, row = re.search(r"the longest prompt has (\d+) tokens \((\S+)\)", line).groups()
     assert int(tokens) > 16 and row.startswith(f"{cli['data']}:")
 
@@ -143,8 +159,10 @@ def test_max_model_len_derived_or_roomy_passes_and_a_short_budget_warns(capsys):
     check_context(c, 100, "rows.jsonl:3")
     assert capsys.readouterr().err == ""
     check_context(c, 150, "rows.jsonl:3")
-    assert "warning: rollout.max_model_len=200 leaves the longest prompt (150 tokens, rows.jsonl:3) 50 response " \
-           "tokens, fewer than rollout.max_response_len=100" in capsys.readouterr().err
+    assert (
+        "warning: rollout.max_model_len=200 leaves the longest prompt (150 tokens, rows.jsonl:3) 50 response "
+        "tokens, fewer than rollout.max_response_len=100" in capsys.readouterr().err
+    )
     with pytest.raises(ConfigError, match=r"'rollout.max_model_len'=200: the longest prompt has 200 tokens"):
         check_context(c, 200, "rows.jsonl:3")
 
@@ -156,13 +174,20 @@ def test_a_fifo_as_the_training_file_is_refused_unopened(cli):
 
 # ---- the same rules at the function that enforces them ----
 
-@pytest.mark.parametrize("spec, why", [
-    ("tests.reward_fns.not_a_number", r"expected 'math_verify', 'reverse' or 'module.path:function' \(no ':' before "
-                                      r"the function's name\); did you mean 'tests.reward_fns:not_a_number'\?"),
-    ("tests.reward_fns:", r"'' is not a function name"),
-    ("tests/reward_fns.py:explodes", r"'tests/reward_fns.py' is not a module path"),
-    ("reverse", r"scores the synthetic data.task='reverse' only"),
-])
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        (
+            "tests.reward_fns.not_a_number",
+            r"expected 'math_verify', 'reverse' or 'module.path:function' \(no ':' before "
+            r"the function's name\); did you mean 'tests.reward_fns:not_a_number'\?",
+        ),
+        ("tests.reward_fns:", r"'' is not a function name"),
+        ("tests/reward_fns.py:explodes", r"'tests/reward_fns.py' is not a module path"),
+        ("reverse", r"scores the synthetic data.task='reverse' only"),
+    ],
+)
 def test_reward_fn_of_the_wrong_form_is_named_before_anything_is_imported(spec, why):
     c = config_lib.default_config()
     c.data.train_path, c.model.arch, c.reward.fn = "rows.jsonl", "tiny", spec
@@ -198,17 +223,23 @@ def test_reward_fn_that_cannot_be_loaded_is_one_line_each_way(tmp_path, monkeypa
 def test_a_wrong_type_inside_a_config_file_names_the_key(tmp_path):
     from april_jax.config.loading import load_config
 
-    for assignment, why in [('c.train.total_steps = "10"', "config key 'train.total_steps' expects int, got '10' (str)"),
-                            ("c.data.shuffle = 'false'", "config key 'data.shuffle' expects bool, got 'false' (str)"),
-                            ("c.optimizer.lr = None", "config key 'optimizer.lr' expects float, got None")]:
+    for assignment, why in [
+        ('c.train.total_steps = "10"', "config key 'train.total_steps' expects int, got '10' (str)"),
+        ("c.data.shuffle = 'false'", "config key 'data.shuffle' expects bool, got 'false' (str)"),
+        ("c.optimizer.lr = None", "config key 'optimizer.lr' expects float, got None"),
+    ]:
         file = tmp_path / "config.py"
-        file.write_text(f"from april_jax.config import default_config\n\ndef get_config():\n"
-                        f"    c = default_config()\n    c.model.arch = 'tiny'\n    c.data.task = 'reverse'\n"
-                        f"    {assignment}\n    return c\n")
+        file.write_text(
+            f"from april_jax.config import default_config\n\ndef get_config():\n"
+            f"    c = default_config()\n    c.model.arch = 'tiny'\n    c.data.task = 'reverse'\n"
+            f"    {assignment}\n    return c\n"
+        )
         with pytest.raises(ConfigError, match=re.escape(why)):
             load_config(["prog", "--config", str(file)])
-    file.write_text("from april_jax.config import default_config\n\ndef get_config():\n    c = default_config()\n"
-                    "    c.model.arch, c.data.task, c.optimizer.lr = 'tiny', 'reverse', 1\n    return c\n")
+    file.write_text(
+        "from april_jax.config import default_config\n\ndef get_config():\n    c = default_config()\n"
+        "    c.model.arch, c.data.task, c.optimizer.lr = 'tiny', 'reverse', 1\n    return c\n"
+    )
     c = load_config(["prog", "--config", str(file), "--config.optimizer.lr=3e-4"])  # an int still reads as a float
     assert c.optimizer.lr == 3e-4
 
@@ -219,19 +250,25 @@ def test_get_config_returning_no_config_dict_is_named(tmp_path):
     file = tmp_path / "config.py"
     for returned, kind in [("None", "NoneType"), ("{'seed': 1}", "dict")]:
         file.write_text(f"def get_config():\n    return {returned}\n")
-        with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(file))}: get_config\(\) returned {kind}, "
-                                              r"not a config \(return april_jax.config.default_config\(\)"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^config file {re.escape(str(file))}: get_config\(\) returned {kind}, "
+            r"not a config \(return april_jax.config.default_config\(\)",
+        ):
             load_config(["prog", "--config", str(file)])
 
 
-@pytest.mark.parametrize("name, value, why", [
-    ("seed", -1, "must be in [0, 4294967295]"),
-    ("seed", 2**32, "must be in [0, 4294967295]"),  # PRNGKey(2**32) is seed 0's key
-    ("rollout.max_num_seqs", 10**23, "must be in (0, 65536]"),
-    ("rollout.max_model_len", 10**23, "must be in [0, 4194304]"),
-    ("data.max_prompt_len", 10**23, "must be in (0, 4194304]"),
-    ("reward.workers", 10**6, "must be in (0, 1024]"),
-])
+@pytest.mark.parametrize(
+    "name, value, why",
+    [
+        ("seed", -1, "must be in [0, 4294967295]"),
+        ("seed", 2**32, "must be in [0, 4294967295]"),  # PRNGKey(2**32) is seed 0's key
+        ("rollout.max_num_seqs", 10**23, "must be in (0, 65536]"),
+        ("rollout.max_model_len", 10**23, "must be in [0, 4194304]"),
+        ("data.max_prompt_len", 10**23, "must be in (0, 4194304]"),
+        ("reward.workers", 10**6, "must be in (0, 1024]"),
+    ],
+)
 def test_numbers_out_of_range_fail_before_anything_is_built(name, value, why):
     c = config_lib.default_config()
     c.model.arch, c.data.task = "tiny", "reverse"

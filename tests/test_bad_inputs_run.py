@@ -26,9 +26,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/tiny.py")
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-SMALL = ["--config.warmup.steps=2", "--config.rollout.rollout_batch_size=2", "--config.rollout.over_sampling_batch_size=4",
-         "--config.rollout.n_samples_per_prompt=2", "--config.rollout.max_num_seqs=8", "--config.train.micro_batch_size=4",
-         "--config.eval.every=0", "--config.log.progress=false", "--config.log.tensorboard=false"]
+SMALL = [
+    "--config.warmup.steps=2",
+    "--config.rollout.rollout_batch_size=2",
+    "--config.rollout.over_sampling_batch_size=4",
+    "--config.rollout.n_samples_per_prompt=2",
+    "--config.rollout.max_num_seqs=8",
+    "--config.train.micro_batch_size=4",
+    "--config.eval.every=0",
+    "--config.log.progress=false",
+    "--config.log.tensorboard=false",
+]
 
 
 def module(name: str, *args) -> list[str]:
@@ -44,8 +52,10 @@ def run(cmd, cwd=ROOT) -> subprocess.CompletedProcess:
 
 
 def snapshot(directory: Path) -> dict:
-    return {str(p.relative_to(directory)): hashlib.sha1(p.read_bytes()).hexdigest() if p.is_file() else None
-            for p in sorted(directory.rglob("*"))}
+    return {
+        str(p.relative_to(directory)): hashlib.sha1(p.read_bytes()).hexdigest() if p.is_file() else None
+        for p in sorted(directory.rglob("*"))
+    }
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *names: str) -> str:
@@ -77,8 +87,15 @@ def cases(tmp_path_factory):
     pool = cf.ThreadPoolExecutor(max_workers=2)
     jobs = {  # the real runs first: they are the long poles
         "trained": pool.submit(run, train(base / "trained", "--config.train.total_steps=1")),
-        "diverged_warmup": pool.submit(run, train(base / "diverged", "--config.warmup.lr=1e30",
-                                                  "--config.train.total_steps=2", "--config.train.max_skipped_steps=3")),
+        "diverged_warmup": pool.submit(
+            run,
+            train(
+                base / "diverged",
+                "--config.warmup.lr=1e30",
+                "--config.train.total_steps=2",
+                "--config.train.max_skipped_steps=3",
+            ),
+        ),
         "workdir_empty": pool.submit(run, module("train", "--config", TINY, "--config.workdir=", *SMALL), model_dir),
         "workdir_file": pool.submit(run, train(base / "a_file")),
         "workdir_under_file": pool.submit(run, train(base / "a_file" / "run")),
@@ -101,8 +118,11 @@ def test_empty_workdir_is_refused_and_the_current_folder_untouched(cases):
 def test_workdir_that_is_or_is_under_a_file(cases):
     base = cases["base"]
     one_error_line(cases["jobs"]["workdir_file"].result(), str(base / "a_file"), "is a file")
-    one_error_line(cases["jobs"]["workdir_under_file"].result(), str(base / "a_file" / "run"),
-                   f"under {base / 'a_file'}, which is a file")
+    one_error_line(
+        cases["jobs"]["workdir_under_file"].result(),
+        str(base / "a_file" / "run"),
+        f"under {base / 'a_file'}, which is a file",
+    )
     assert (base / "a_file").read_text() == "not a folder"
 
 

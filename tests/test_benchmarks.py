@@ -17,8 +17,9 @@ def benchmark(name: str, *args) -> list[str]:
 
 
 def rollout_json(*args):
-    proc = subprocess.run(benchmark("rollout", "--engine", "sim", *args), cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        benchmark("rollout", "--engine", "sim", *args), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -30,12 +31,29 @@ def test_rollout_benchmark_on_the_roofline_sim_runs_the_product_defaults_and_rep
     for key in ("max_staleness", "refill", "inflight", "finish_wait", "inflight_headroom", "stale_policy"):
         assert out[key] == getattr(default, key), key  # APRIL as shipped: no benchmark-only design
     assert out["over_sampling"] == default.over_sampling_batch_size
-    for key in ("sync_tokens_per_s", "april_tokens_per_s", "rollout_speedup", "e2e_speedup", "free_limit_tokens_per_s",
-                "april_fraction_of_free_limit", "dropped_tokens", "cost", "kv_bytes_budget", "gpus"):
+    for key in (
+        "sync_tokens_per_s",
+        "april_tokens_per_s",
+        "rollout_speedup",
+        "e2e_speedup",
+        "free_limit_tokens_per_s",
+        "april_fraction_of_free_limit",
+        "dropped_tokens",
+        "cost",
+        "kv_bytes_budget",
+        "gpus",
+    ):
         assert key in out, key
     for run in ("april", "sync"):
-        for key in ("prefill_time_frac", "kv_bytes_peak", "on_policy_token_frac", "mean_loss_weight", "delivered_len_mean",
-                    "e2e_steps_per_s", "train_time_frac"):
+        for key in (
+            "prefill_time_frac",
+            "kv_bytes_peak",
+            "on_policy_token_frac",
+            "mean_loss_weight",
+            "delivered_len_mean",
+            "e2e_steps_per_s",
+            "train_time_frac",
+        ):
             assert f"{run}_{key}" in out, (run, key)
         assert 0 < out[f"{run}_kv_bytes_peak"] <= out["kv_bytes_budget"]
         assert 0 < out[f"{run}_train_time_frac"] < 1
@@ -65,34 +83,57 @@ def test_rollout_benchmark_cpu_model_and_a_bad_preset():
     out = rollout_json("--cost", "cpu-jax", "--steps", "3")
     assert out["cost"]["name"] == "cpu-jax" and out["replicas"] == 1 and out["kv_bytes_budget"] is None
     assert out["april_train_time_frac"] == 0  # training not modelled on the CPU model
-    for bad, says in ((["--cost", "a100"], "--cost 'a100'"), (["--train-gpus", "4"], "--train-gpus 4"),
-                      (["--deployment", "shared"], "--deployment")):
-        proc = subprocess.run(benchmark("rollout", "--engine", "sim", *bad), cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+    for bad, says in (
+        (["--cost", "a100"], "--cost 'a100'"),
+        (["--train-gpus", "4"], "--train-gpus 4"),
+        (["--deployment", "shared"], "--deployment"),
+    ):
+        proc = subprocess.run(
+            benchmark("rollout", "--engine", "sim", *bad), cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_rollout_sweep_prints_a_row_per_seed_and_a_summary(tmp_path):
-    proc = subprocess.run(benchmark("rollout_sweep", "--seeds", "0", "--steps", "2", "--sections", "deployment",
-                                    "--jobs", "1", "--markdown"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        benchmark(
+            "rollout_sweep", "--seeds", "0", "--steps", "2", "--sections", "deployment", "--jobs", "1", "--markdown"
+        ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     per_seed = [r for r in rows if "summary" not in r]
-    assert [r["row"] for r in per_seed] == ["disaggregated (KV kept across the train step)"] and per_seed[0]["seed"] == 0
+    assert [r["row"] for r in per_seed] == ["disaggregated (KV kept across the train step)"] and per_seed[0][
+        "seed"
+    ] == 0
     assert per_seed[0]["april_kv_peak_frac"] <= 1 and per_seed[0]["sync_kv_peak_frac"] <= 1
     assert "| deployment | disaggregated (KV kept across the train step) | 0 |" in proc.stdout
     # The per-task log on stderr rebuilds the same summary without running anything.
     log = tmp_path / "sweep.log"
     log.write_text(proc.stderr)
-    again = subprocess.run(benchmark("rollout_sweep", "--seeds", "0", "--steps", "2", "--sections", "deployment",
-                                     "--from-log", str(log)), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        benchmark("rollout_sweep", "--seeds", "0", "--steps", "2", "--sections", "deployment", "--from-log", str(log)),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0 and json.loads(again.stdout.splitlines()[0])["speedup"] == per_seed[0]["speedup"]
 
 
 @pytest.mark.slow
 def test_engine_benchmark_runs_and_matches_transformers_greedy():
-    proc = subprocess.run(benchmark("engine", "--batches", "2", "--new-tokens", "6", "--prompt-len", "5"),
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        benchmark("engine", "--batches", "2", "--new-tokens", "6", "--prompt-len", "5"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["dtype"] == "float32"
@@ -107,9 +148,20 @@ def test_april_vs_sync_summary_takes_the_compiles_out_of_the_steady_median():
     from benchmarks import april_vs_sync
 
     rollout, compile_s = [9.0, 1.0, 0.2, 2.5, 0.3, 0.4], [8.0, 0.0, 0.0, 2.2, 0.0, 0.0]
-    rows = [{"step": i, "time/rollout_s": r, "time/rollout_compile_s": c, "time/train_s": 0.1, "time/elapsed_s": i + 1.0,
-             "reward/mean": 0.5, "rollout/occupancy": 0.9, "rollout/response_len/mean": 8.0, "rollout/aborted": 0}
-            for i, (r, c) in enumerate(zip(rollout, compile_s))]
+    rows = [
+        {
+            "step": i,
+            "time/rollout_s": r,
+            "time/rollout_compile_s": c,
+            "time/train_s": 0.1,
+            "time/elapsed_s": i + 1.0,
+            "reward/mean": 0.5,
+            "rollout/occupancy": 0.9,
+            "rollout/response_len/mean": 8.0,
+            "rollout/aborted": 0,
+        }
+        for i, (r, c) in enumerate(zip(rollout, compile_s))
+    ]
     summary = april_vs_sync.summarize(rows, threshold=0.9)
     assert summary["median_rollout_s"] == 0.4
     assert abs(summary["median_rollout_steady_s"] - 0.3) < 1e-12

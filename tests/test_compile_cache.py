@@ -30,8 +30,9 @@ def run(directory: str, env_folder: str | None = None, home: Path | None = None,
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the test's program compiles in milliseconds
     if env_folder is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = env_folder
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, directory], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, directory], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     if not check:
         return proc
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -48,6 +48,7 @@ def other_value(spec: schema.Spec, current=None):
 
 # ---- every key documented, typed, and listed by --help ----
 
+
 def test_every_key_has_a_type_a_doc_and_a_valid_default():
     assert len(SPECS) > 90
     for spec in SPECS.values():
@@ -67,8 +68,14 @@ def test_default_config_is_generated_from_the_schema():
 
 
 def test_help_lists_every_key_with_type_default_and_doc():
-    proc = subprocess.run([sys.executable, "-m", "april_jax.train", "--help"], capture_output=True, text=True,
-                          env=ENV, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "april_jax.train", "--help"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     for spec in SPECS.values():
@@ -85,14 +92,24 @@ def test_help_of_a_prefix_is_that_subtree_and_a_bad_prefix_is_named():
     listed = {line.split()[0] for line in text.splitlines() if line.startswith("  ") and not line.startswith("   ")}
     assert listed == {name for name in SPECS if name.startswith("rollout.")}
     assert config_lib.help_text("loss.kl_coef").count("\n  loss.") == 1
-    assert set(line.split()[0] for line in config_lib.help_text("model.tiny").splitlines()
-               if line.startswith("  ") and not line.startswith("   ")) == {n for n in SPECS if n.startswith("model.tiny.")}
+    assert set(
+        line.split()[0]
+        for line in config_lib.help_text("model.tiny").splitlines()
+        if line.startswith("  ") and not line.startswith("   ")
+    ) == {n for n in SPECS if n.startswith("model.tiny.")}
     with pytest.raises(ConfigError, match="no config key 'rollout.engin'; did you mean 'rollout.engine'"):
         config_lib.help_text("rollout.engin")
 
 
-@pytest.mark.parametrize("argv", [["april_jax.cli.ckpt", "--help"], ["april_jax.cli.ckpt", "inspect", "--help"],
-                                  ["april_jax.cli.ckpt", "export-hf", "--help"], ["april_jax.cli.plot", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["april_jax.cli.ckpt", "--help"],
+        ["april_jax.cli.ckpt", "inspect", "--help"],
+        ["april_jax.cli.ckpt", "export-hf", "--help"],
+        ["april_jax.cli.plot", "--help"],
+    ],
+)
 def test_ckpt_and_plot_help(argv, capsys):
     import importlib
 
@@ -109,6 +126,7 @@ def test_ckpt_and_plot_help(argv, capsys):
 
 # ---- the checks come from the schema: every rule names its key ----
 
+
 def test_every_typed_key_rejects_a_value_of_another_type_by_name():
     for spec in SPECS.values():
         if spec.type is str:
@@ -123,9 +141,19 @@ def test_every_choice_and_bound_is_checked_and_names_the_key():
     base.model.arch, base.data.task = "tiny", "reverse"
     config_lib.validate(base)
     for spec in SPECS.values():
-        bad = ("no-such-choice" if spec.choices else spec.gt if spec.gt is not None else
-               spec.ge - 1 if spec.ge is not None else spec.le + 1 if spec.le is not None else
-               float("inf") if spec.finite else None)
+        bad = (
+            "no-such-choice"
+            if spec.choices
+            else spec.gt
+            if spec.gt is not None
+            else spec.ge - 1
+            if spec.ge is not None
+            else spec.le + 1
+            if spec.le is not None
+            else float("inf")
+            if spec.finite
+            else None
+        )
         if bad is None:
             continue
         c = config_lib.default_config()
@@ -137,8 +165,9 @@ def test_every_choice_and_bound_is_checked_and_names_the_key():
 
 
 def test_unknown_key_suggests_the_nearest():
-    with pytest.raises(ConfigError, match="unknown config key 'optimizer.weight_decy'; did you mean "
-                                          "--config.optimizer.weight_decay"):
+    with pytest.raises(
+        ConfigError, match="unknown config key 'optimizer.weight_decy'; did you mean --config.optimizer.weight_decay"
+    ):
         config_lib.check_overrides(["prog", "--config.optimizer.weight_decy=0.1"])
     c = config_lib.default_config()
     with c.unlocked():
@@ -149,9 +178,11 @@ def test_unknown_key_suggests_the_nearest():
 
 # ---- no dead key ----
 
-RUNTIME = {"loss": (LossConfig, config_lib.loss_cfg, ["rl/losses.py", "rl/train_step.py"]),
-           "optimizer": (OptimizerConfig, config_lib.optimizer_cfg, ["rl/train_step.py"]),
-           "rollout": (RolloutConfig, config_lib.rollout_cfg, ["rollout/april.py"])}
+RUNTIME = {
+    "loss": (LossConfig, config_lib.loss_cfg, ["rl/losses.py", "rl/train_step.py"]),
+    "optimizer": (OptimizerConfig, config_lib.optimizer_cfg, ["rl/train_step.py"]),
+    "rollout": (RolloutConfig, config_lib.rollout_cfg, ["rollout/april.py"]),
+}
 
 
 def attribute_reads(files) -> set[tuple[str, ...]]:
@@ -188,8 +219,10 @@ def test_every_key_is_read_by_the_code_it_configures():
     suffixes = {chain[i:] for chain in reads for i in range(len(chain))}
     base = config_lib.default_config()
     base.loss.tis = "sequence"  # so that loss.policy_loss may become 'gspo'
-    fields_read = {part: {chain[-1] for chain in attribute_reads([PACKAGE / p for p in consumers])}
-                   for part, (_, _, consumers) in RUNTIME.items()}
+    fields_read = {
+        part: {chain[-1] for chain in attribute_reads([PACKAGE / p for p in consumers])}
+        for part, (_, _, consumers) in RUNTIME.items()
+    }
     dead = []
     for name, spec in SPECS.items():
         *section, field = name.split(".")
@@ -222,6 +255,7 @@ def test_the_dead_key_check_catches_an_unused_key(monkeypatch):
 
 
 # ---- the task supplies the warm-up examples ----
+
 
 def test_warmup_examples_come_from_the_task_and_a_task_without_them_is_a_config_error(tmp_path):
     import json

@@ -49,7 +49,8 @@ def test_prefill_of_1000_tokens_with_and_without_cached_prefix():
     attn = 4 * 36 * 32 * 128
     assert cost.prefill_s(1000) == pytest.approx((2 * QWEN3_4B_PARAMS * 1000 + attn * 1000 * 1001 / 2) / 494.5e12)
     assert cost.prefill_s(1000, cached=500) == pytest.approx(
-        (2 * QWEN3_4B_PARAMS * 1000 + attn * (1000 * 500 + 1000 * 1001 / 2)) / 494.5e12)
+        (2 * QWEN3_4B_PARAMS * 1000 + attn * (1000 * 500 + 1000 * 1001 / 2)) / 494.5e12
+    )
     assert cost.prefill_s(1000) == pytest.approx(16.87e-3, rel=1e-3)  # 8.04 + 0.30 TFLOP at 494.5 TFLOP/s
 
 
@@ -116,11 +117,14 @@ def windows_of(responses, steps):
     import numpy as np
 
     ctx = [np.arange(n) + p for p, n, _, _ in responses]
-    return cm.StalenessWindows(tokens=np.array([len(c) for c in ctx], float),
-                               sqrt_ctx=np.array([np.sqrt(c).sum() for c in ctx]),
-                               ctx=np.array([c.sum() for c in ctx], float),
-                               first=np.array([f for *_, f, _ in responses]), last=np.array([l for *_, l in responses]),
-                               steps=steps)
+    return cm.StalenessWindows(
+        tokens=np.array([len(c) for c in ctx], float),
+        sqrt_ctx=np.array([np.sqrt(c).sum() for c in ctx]),
+        ctx=np.array([c.sum() for c in ctx], float),
+        first=np.array([f for *_, f, _ in responses]),
+        last=np.array([l for *_, l in responses]),
+        steps=steps,
+    )
 
 
 def test_staleness_bound_for_one_long_response_sits_between_the_free_bound_and_its_own_decode_time():
@@ -157,11 +161,14 @@ def test_staleness_bound_tightens_as_windows_shrink():
     tokens = sum(n for _, n, _, _ in rows)
     ctx = sum(cm.delivered_ctx_sum(p, n) for p, n, _, _ in rows)
     kw = dict(tokens=tokens, ctx_sum=ctx, prompt_lens=[], slots=256, replicas=2)
-    bounds = [cm.time_lower_bound_s(cost, **kw, windows=windows_of([(p, n, 0, k - 1) for p, n, _, _ in rows], k))
-              for k in (1, 2, 4)]
+    bounds = [
+        cm.time_lower_bound_s(cost, **kw, windows=windows_of([(p, n, 0, k - 1) for p, n, _, _ in rows], k))
+        for k in (1, 2, 4)
+    ]
     # one step holding every response is the tightest; windows of 4 of 4 steps the same as 1 of 1
     # in total time, since the steps can be as long as they like: only their total matters then
     assert bounds[0] == pytest.approx(bounds[1], rel=1e-3) == pytest.approx(bounds[2], rel=1e-3)
-    staggered = cm.time_lower_bound_s(cost, **kw, windows=windows_of(
-        [(p, n, i % 4, i % 4) for i, (p, n, _, _) in enumerate(rows)], 4))
+    staggered = cm.time_lower_bound_s(
+        cost, **kw, windows=windows_of([(p, n, i % 4, i % 4) for i, (p, n, _, _) in enumerate(rows)], 4)
+    )
     assert staggered > bounds[0] * 1.01  # each response confined to one of four steps: less room

@@ -86,8 +86,12 @@ def test_chat_messages_render_as_transformers_does():
 
     path = assets.smollm2_135m_instruct()
     ref = transformers.AutoTokenizer.from_pretrained(path)
-    messages = [{"role": "system", "content": "You count."}, {"role": "user", "content": "After 3?"},
-                {"role": "assistant", "content": "4"}, {"role": "user", "content": "After 4?"}]
+    messages = [
+        {"role": "system", "content": "You count."},
+        {"role": "user", "content": "After 3?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "After 4?"},
+    ]
     expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     assert ChatTokenizer(path).encode_prompt(messages) == expected
@@ -151,18 +155,27 @@ def test_templates_render_as_transformers_renders_them(tmp_path):
     the features real templates use (tojson without HTML escaping, namespace, generation blocks)."""
     import transformers
 
-    messages = [{"role": "system", "content": "Be brief. <b>&</b>"}, {"role": "user", "content": " 2+2? "},
-                {"role": "assistant", "content": "<think>\nadd</think>\n\n4"}, {"role": "tool", "content": "ok"},
-                {"role": "user", "content": "and 3+3?"}]
+    messages = [
+        {"role": "system", "content": "Be brief. <b>&</b>"},
+        {"role": "user", "content": " 2+2? "},
+        {"role": "assistant", "content": "<think>\nadd</think>\n\n4"},
+        {"role": "tool", "content": "ok"},
+        {"role": "user", "content": "and 3+3?"},
+    ]
     tools = [{"name": "add", "description": "a < b & c", "parameters": {"a": "int"}}]
     featured = tmp_path / "featured"
     featured.mkdir()
     smol = assets.smollm2_135m_instruct()
     shutil.copy(smol / "tokenizer.json", featured / "tokenizer.json")
-    (featured / "tokenizer_config.json").write_text(json.dumps({"chat_template": FEATURED_TEMPLATE,
-                                                                 "eos_token": "<|im_end|>"}))
-    for folder, kwargs in [(smol, {}), (assets.qwen3_tokenizer(), {"enable_thinking": False}),
-                           (featured, {"enable_thinking": False, "tools": tools}), (featured, {})]:
+    (featured / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": FEATURED_TEMPLATE, "eos_token": "<|im_end|>"})
+    )
+    for folder, kwargs in [
+        (smol, {}),
+        (assets.qwen3_tokenizer(), {"enable_thinking": False}),
+        (featured, {"enable_thinking": False, "tools": tools}),
+        (featured, {}),
+    ]:
         ref = transformers.AutoTokenizer.from_pretrained(folder)
         expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         ours = ChatTokenizer(folder, template_kwargs=kwargs).render(messages)
@@ -170,17 +183,20 @@ def test_templates_render_as_transformers_renders_them(tmp_path):
     assert '"a < b & c"' in ChatTokenizer(featured, template_kwargs={"tools": tools}).render(messages)
 
 
-@pytest.mark.parametrize("template", [
-    "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}",
-    "{{ joiner.__init__.__globals__['os'].popen('touch MARKER').read() }}",
-    "{{ lipsum.__globals__.os.system('touch MARKER') }}",
-    "{{ self._TemplateReference__context.cycler.__init__.__globals__.os.system('touch MARKER') }}",
-    "{{ (messages | attr('__class__')).__base__.__subclasses__() }}",
-    "{{ '{0.__class__.__base__}'.format(messages) }}",
-    "{% set ns = namespace() %}{% set ns.__class__ = 1 %}",
-    "{{ dict.__class__ }}",
-    "{{ messages.append({'role': 'system', 'content': 'injected'}) }}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}",
+        "{{ joiner.__init__.__globals__['os'].popen('touch MARKER').read() }}",
+        "{{ lipsum.__globals__.os.system('touch MARKER') }}",
+        "{{ self._TemplateReference__context.cycler.__init__.__globals__.os.system('touch MARKER') }}",
+        "{{ (messages | attr('__class__')).__base__.__subclasses__() }}",
+        "{{ '{0.__class__.__base__}'.format(messages) }}",
+        "{% set ns = namespace() %}{% set ns.__class__ = 1 %}",
+        "{{ dict.__class__ }}",
+        "{{ messages.append({'role': 'system', 'content': 'injected'}) }}",
+    ],
+)
 def test_a_template_reaching_past_the_sandbox_fails_naming_its_file_and_runs_nothing(tmp_path, template):
     marker = tmp_path / "ran"
     folder = tmp_path / "tok"
@@ -188,8 +204,11 @@ def test_a_template_reaching_past_the_sandbox_fails_naming_its_file_and_runs_not
     shutil.copy(assets.smollm2_135m_instruct() / "tokenizer.json", folder / "tokenizer.json")
     (folder / "chat_template.jinja").write_text(template.replace("MARKER", str(marker)))
     tok = ChatTokenizer(folder)
-    with pytest.raises(TokenizerError, match=rf"^{folder / 'chat_template.jinja'}: the chat template tried an "
-                                             r"unsafe operation, refused \(") as err:
+    with pytest.raises(
+        TokenizerError,
+        match=rf"^{folder / 'chat_template.jinja'}: the chat template tried an "
+        r"unsafe operation, refused \(",
+    ) as err:
         tok.render("hi")
     assert "\n" not in str(err.value) and not marker.exists()
     rows = tmp_path / "rows.jsonl"
@@ -207,7 +226,9 @@ def test_a_template_that_does_not_parse_or_fails_is_one_line(tmp_path):
     with pytest.raises(TokenizerError, match=rf"^{config}: the chat template does not parse \(template line 1: "):
         ChatTokenizer(folder).render("hi")
     config.write_text(json.dumps({"chat_template": "{{ raise_exception('roles must alternate') }}"}))
-    with pytest.raises(TokenizerError, match=rf"^{config}: the chat template failed \(TemplateError: roles must alternate\)$"):
+    with pytest.raises(
+        TokenizerError, match=rf"^{config}: the chat template failed \(TemplateError: roles must alternate\)$"
+    ):
         ChatTokenizer(folder).render("hi")
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages[0].content }}"}]
     config.write_text(json.dumps({"chat_template": named}))
@@ -220,8 +241,11 @@ def test_a_template_that_does_not_parse_or_fails_is_one_line(tmp_path):
 def test_unknown_chat_roles_and_non_regular_files_are_refused(tmp_path):
     messages = [{"role": "wizard", "content": "You are a wizard."}, {"role": "user", "content": "hi"}]
     (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": messages, "answer": 1}) + "\n")
-    with pytest.raises(DataError, match=r"d.jsonl:1: field 'prompt' message 0 has role 'wizard', expected one of "
-                                        r"system, user, assistant, tool$"):
+    with pytest.raises(
+        DataError,
+        match=r"d.jsonl:1: field 'prompt' message 0 has role 'wizard', expected one of "
+        r"system, user, assistant, tool$",
+    ):
         read_rows(str(tmp_path / "d.jsonl"), "prompt", "answer")
     import os
 

@@ -23,7 +23,9 @@ def test_configuration_reference_equals_what_the_schema_generates():
 
     generated = _generator().render()
     committed = (ROOT / "docs" / "configuration.md").read_text()
-    assert committed == generated, "docs/configuration.md is stale: python docs/gen_config_reference.py > docs/configuration.md"
+    assert committed == generated, (
+        "docs/configuration.md is stale: python docs/gen_config_reference.py > docs/configuration.md"
+    )
     for name in ("rollout.max_staleness", "loss.kl_coef", "model.path"):  # the table rows come from the schema's keys
         assert f"| `{name}` |" in generated
     assert generated.count("\n| `") == len(config.SPECS)
@@ -42,6 +44,10 @@ def test_relative_links_in_the_docs_point_at_files_that_exist():
 
 def test_docs_describe_the_product_not_how_it_was_built():
     history = re.compile(r"session [0-9]|issue #?[0-9]|helper h[0-9]", re.IGNORECASE)
-    found = [f"{doc.relative_to(ROOT)}:{n}: {line.strip()}"
-             for doc in DOCS for n, line in enumerate(doc.read_text().splitlines(), 1) if history.search(line)]
+    found = [
+        f"{doc.relative_to(ROOT)}:{n}: {line.strip()}"
+        for doc in DOCS
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        if history.search(line)
+    ]
     assert not found, found

@@ -91,8 +91,15 @@ def resume(prompts, full, cut, shared: bool, seed_offset=1):
     out = []
     for rid, r in full.items():
         prompt, n = prompts[int(rid[0])], cut[rid]
-        out.append(Request(rid, prompt + r.token_ids[:n], 24 - n, SamplingParams(1.0, seed=seed_offset + hash(rid) % 997),
-                           shared_prefix_len=len(prompt) if shared else 0))
+        out.append(
+            Request(
+                rid,
+                prompt + r.token_ids[:n],
+                24 - n,
+                SamplingParams(1.0, seed=seed_offset + hash(rid) % 997),
+                shared_prefix_len=len(prompt) if shared else 0,
+            )
+        )
     return out
 
 
@@ -113,8 +120,17 @@ def test_greedy_resume_from_a_shared_prefix_continues_the_uninterrupted_run(tiny
     ref, model = tiny_reference
     prompts, _, cut = resumed_groups
     uninterrupted = {g: run(model, [Request("x", p, 24, GREEDY)])[0]["x"] for g, p in enumerate(prompts)}
-    requests = [Request(f"{g}/{j}", p + uninterrupted[g].token_ids[: cut[f"{g}/{j}"]], 24 - cut[f"{g}/{j}"], GREEDY,
-                        shared_prefix_len=len(p)) for g, p in enumerate(prompts) for j in range(4)]
+    requests = [
+        Request(
+            f"{g}/{j}",
+            p + uninterrupted[g].token_ids[: cut[f"{g}/{j}"]],
+            24 - cut[f"{g}/{j}"],
+            GREEDY,
+            shared_prefix_len=len(p),
+        )
+        for g, p in enumerate(prompts)
+        for j in range(4)
+    ]
     out, _ = run(model, requests, samples_per_prompt=4)
     for g in range(len(prompts)):
         for j in range(4):
@@ -149,8 +165,11 @@ def test_merged_length_buckets_give_the_same_tokens_in_fewer_calls(tiny_referenc
 def cut_and_abort(engine, prompts, steps: int):
     """Submit 4 members per prompt (group 0 greedy: identical partials; group 1 seeded), run `steps`
     engine steps, abort everything: the partial results by request id."""
-    requests = [Request(f"{g}/{j}", prompt, 24, GREEDY if g == 0 else SamplingParams(1.0, seed=10 * g + j))
-                for g, prompt in enumerate(prompts) for j in range(4)]
+    requests = [
+        Request(f"{g}/{j}", prompt, 24, GREEDY if g == 0 else SamplingParams(1.0, seed=10 * g + j))
+        for g, prompt in enumerate(prompts)
+        for j in range(4)
+    ]
     engine.submit(requests)
     for _ in range(steps):
         engine.step()
@@ -159,9 +178,16 @@ def cut_and_abort(engine, prompts, steps: int):
 
 def resumed(prompts, partials):
     """APRIL's resume of each aborted member: prompt + partial, the group's prompt as shared prefix."""
-    return [Request(rid + "+", prompts[int(rid[0])] + r.token_ids, 24 - len(r.token_ids),
-                    GREEDY if rid[0] == "0" else SamplingParams(1.0, seed=1000 + int(rid[-1])),
-                    shared_prefix_len=len(prompts[int(rid[0])])) for rid, r in sorted(partials.items())]
+    return [
+        Request(
+            rid + "+",
+            prompts[int(rid[0])] + r.token_ids,
+            24 - len(r.token_ids),
+            GREEDY if rid[0] == "0" else SamplingParams(1.0, seed=1000 + int(rid[-1])),
+            shared_prefix_len=len(prompts[int(rid[0])]),
+        )
+        for rid, r in sorted(partials.items())
+    ]
 
 
 def test_held_rows_resume_in_their_slots_as_a_reprefill_would(tiny_reference, resumed_groups):
@@ -170,8 +196,14 @@ def test_held_rows_resume_in_their_slots_as_a_reprefill_would(tiny_reference, re
     equal a fresh engine's re-prefill of prompt + partial."""
     _, model = tiny_reference
     prompts, _, _ = resumed_groups
-    engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4, hold_aborted_kv=True,
-                       samples_per_prompt=4)
+    engine = JaxEngine(
+        model,
+        max_num_seqs=SLOTS,
+        max_model_len=MAX_LEN,
+        decode_steps_per_call=4,
+        hold_aborted_kv=True,
+        samples_per_prompt=4,
+    )
     partials = cut_and_abort(engine, prompts, steps=2)
     assert all(0 < len(r.token_ids) < 24 for r in partials.values())
     assert len({tuple(partials[f"0/{j}"].token_ids) for j in range(4)}) == 1  # greedy: identical partials
@@ -191,8 +223,14 @@ def test_held_rows_give_way_to_new_requests_oldest_first(tiny_reference, resumed
     the 5 still held continue in place and the 3 evicted re-prefill, with the same tokens."""
     _, model = tiny_reference
     prompts, _, _ = resumed_groups
-    engine = JaxEngine(model, max_num_seqs=8, max_model_len=MAX_LEN, decode_steps_per_call=4, hold_aborted_kv=True,
-                       samples_per_prompt=4)
+    engine = JaxEngine(
+        model,
+        max_num_seqs=8,
+        max_model_len=MAX_LEN,
+        decode_steps_per_call=4,
+        hold_aborted_kv=True,
+        samples_per_prompt=4,
+    )
     partials = cut_and_abort(engine, prompts, steps=2)
     oldest = sorted(engine._held_order)[:3]  # aborted together: in slot order
     engine.generate([Request(f"new{i}", [5, 6, 7], 4, GREEDY) for i in range(3)])
@@ -252,8 +290,9 @@ def test_a_larger_smallest_prefill_bucket_pads_prompts_and_keeps_tokens(tiny_ref
     _, model = tiny_reference
     shapes = {}
     for smallest in (16, 64):
-        engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4,
-                           smallest_prefill_bucket=smallest)
+        engine = JaxEngine(
+            model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4, smallest_prefill_bucket=smallest
+        )
         seen = set()
         engine._device = recording_prefill_lengths(engine, seen)
         shapes[smallest] = (engine.generate(workload), seen)
@@ -269,8 +308,9 @@ def test_warmup_leaves_nothing_to_trace_for_a_run(tiny_reference, workload):
     called with the same static arguments (a retrace costs seconds on a real model, even when the
     persistent cache then answers the compile)."""
     _, model = tiny_reference
-    engine = JaxEngine(model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4,
-                       smallest_prefill_bucket=64)
+    engine = JaxEngine(
+        model, max_num_seqs=SLOTS, max_model_len=MAX_LEN, decode_steps_per_call=4, smallest_prefill_bucket=64
+    )
     engine.warmup(modes=("sample",))
     before = dict(engine_steps.TRACES)
     sampled = [r for r in workload if r.sampling.temperature > 0 and r.sampling.top_p == 1.0]  # the warmed mode

@@ -91,7 +91,10 @@ def test_abort_all_returns_the_partial_tokens(engine):
         eng.submit([Request(rid, PROMPTS[i], n, SamplingParams(1.0, seed=i)) for i, (rid, n) in enumerate(ids.items())])
         finished, deadline = [], time.time() + 120
         # Step until the engine has decoded a few tokens for each (the vLLM server's own counter).
-        while eng.stats().busy_slot_steps - before.busy_slot_steps < 3 * len(ids) * (1 + attempt) and time.time() < deadline:
+        while (
+            eng.stats().busy_slot_steps - before.busy_slot_steps < 3 * len(ids) * (1 + attempt)
+            and time.time() < deadline
+        ):
             finished += eng.step()
         out = eng.abort_all()  # also hands back requests that finished on their own meanwhile
         assert not eng.has_unfinished()

@@ -37,15 +37,27 @@ from april_jax.rollout.vllm import weights
 ROOT = Path(__file__).resolve().parents[1]
 ON_GPU = jax.default_backend() == "gpu" and torch.cuda.is_available()
 CPU_TWIN = os.environ.get("APRIL_JAX_GPU_TESTS_ON_CPU") == "1"
-WHY = (f"needs a CUDA GPU: JAX's backend is {jax.default_backend()!r}, "
-       f"torch.cuda.is_available() is {torch.cuda.is_available()}")
+WHY = (
+    f"needs a CUDA GPU: JAX's backend is {jax.default_backend()!r}, "
+    f"torch.cuda.is_available() is {torch.cuda.is_available()}"
+)
 gpu = pytest.mark.gpu
-gpu_or_twin = pytest.mark.skipif(not (ON_GPU or CPU_TWIN), reason=WHY + " (APRIL_JAX_GPU_TESTS_ON_CPU=1 runs it on CPU)")
+gpu_or_twin = pytest.mark.skipif(
+    not (ON_GPU or CPU_TWIN), reason=WHY + " (APRIL_JAX_GPU_TESTS_ON_CPU=1 runs it on CPU)"
+)
 cuda_only = pytest.mark.skipif(not ON_GPU, reason=WHY + " (cuDNN, CUDA IPC or device memory: no CPU twin)")
 
 # head_dim 64: cuDNN flash attention wants a multiple of 8, <= 256 on Hopper.
-SMALL = qwen3.Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+SMALL = qwen3.Qwen3Config(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
 BF16 = jnp.bfloat16
 
 
@@ -83,8 +95,13 @@ def ragged_batch(lengths, S: int, seed: int) -> dict:
     for b, n in enumerate(lengths):
         ids[b, :n] = rng.integers(1, SMALL.vocab_size, n)
         mask[b, : n - 1] = 1
-    return {"input_ids": ids, "loss_mask": mask, "behaviour_logp": np.full((B, S - 1), -7.0, np.float32),
-            "versions": np.zeros((B, S - 1), np.int32), "advantages": rng.normal(size=B).astype(np.float32)}
+    return {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "behaviour_logp": np.full((B, S - 1), -7.0, np.float32),
+        "versions": np.zeros((B, S - 1), np.int32),
+        "advantages": rng.normal(size=B).astype(np.float32),
+    }
 
 
 # ---------------------------------------------------------------- cuDNN flash attention
@@ -107,8 +124,10 @@ def test_cudnn_flash_attention_matches_xla_forward_and_gradient():
         return [out, *grads]
 
     ref, xla, cudnn = run("xla", jnp.float32), run("xla", BF16), run("cudnn", BF16)
-    assert CUDNN_FMHA in lowered_text(lambda q, k, v: qwen3._flash_causal_attention(q, k, v, BF16, "cudnn"),
-                                      q, k, v).lower()
+    assert (
+        CUDNN_FMHA
+        in lowered_text(lambda q, k, v: qwen3._flash_causal_attention(q, k, v, BF16, "cudnn"), q, k, v).lower()
+    )
     for name, r, x, c in zip(("out", "dq", "dk", "dv"), ref, xla, cudnn):
         assert rel_err(c, r) <= max(2 * rel_err(x, r), 1e-2), (name, rel_err(c, r), rel_err(x, r))
 
@@ -122,11 +141,15 @@ def ragged():
 @cuda_only
 def test_model_cudnn_attention_matches_xla_on_a_ragged_batch(ragged):
     """Logits at the real positions and the training loss's gradients, right-padded rows."""
-    models = {name: qwen3.init_model(cfg, seed=2) for name, cfg in (
-        ("ref", SMALL.replace(attention_impl="xla")),
-        ("xla", SMALL.replace(dtype=BF16, attention_impl="xla")),
-        ("cudnn", SMALL.replace(dtype=BF16, attention_impl="cudnn")),
-        ("auto", SMALL.replace(dtype=BF16, attention_impl="auto")))}
+    models = {
+        name: qwen3.init_model(cfg, seed=2)
+        for name, cfg in (
+            ("ref", SMALL.replace(attention_impl="xla")),
+            ("xla", SMALL.replace(dtype=BF16, attention_impl="xla")),
+            ("cudnn", SMALL.replace(dtype=BF16, attention_impl="cudnn")),
+            ("auto", SMALL.replace(dtype=BF16, attention_impl="auto")),
+        )
+    }
     tokens = jnp.asarray(ragged["input_ids"][:, :-1])
     assert uses_cudnn_attention(models["cudnn"], tokens) and uses_cudnn_attention(models["auto"], tokens)
     assert not uses_cudnn_attention(models["xla"], tokens)
@@ -188,7 +211,7 @@ def test_engine_greedy_tokens_match_the_models_forward(dtype):
     tol = {"float32": 1e-2, "bfloat16": 0.1}[dtype]  # x the logits' spread
     exact = []
     for i, p in enumerate(prompts):
-        rows = logits[i, len(p) - 1: len(p) - 1 + new]
+        rows = logits[i, len(p) - 1 : len(p) - 1 + new]
         tokens = np.array(out[str(i)].token_ids)
         chosen = rows[np.arange(new), tokens]
         scale = rows.std()
@@ -298,9 +321,14 @@ def test_host_transports_take_gpu_params(transport, tmp_path):
 def test_device_check_dry_run_writes_its_summary(tmp_path):
     env = {**os.environ, "DEVICE_CHECK_BUDGET_S": "900"}
     # Its own process group: a timeout here ends the script's children too, not only bash.
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "device_check.sh"), "--dry-run", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "device_check.sh"), "--dry-run", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         output = proc.communicate(timeout=900)[0]
     except subprocess.TimeoutExpired:
@@ -311,11 +339,14 @@ def test_device_check_dry_run_writes_its_summary(tmp_path):
     summary = json.loads((tmp_path / "device_check.json").read_text())
     assert summary["mode"] == "dry-run" and summary["ok"]
     gpu_cases = summary["tests"]["gpu"]["cases"]
-    assert len(gpu_cases) >= 10 and all(c["outcome"] == "skipped" and "needs a CUDA GPU" in c["message"]
-                                        for c in gpu_cases)
+    assert len(gpu_cases) >= 10 and all(
+        c["outcome"] == "skipped" and "needs a CUDA GPU" in c["message"] for c in gpu_cases
+    )
     assert "cpu_twin" not in summary["tests"]  # DEVICE_CHECK_CPU_TWIN=1 adds it (+1.5 CPU-minutes)
     bench = summary["benchmarks"]
-    assert {r["remat"] for r in bench["gpu_train_mfu"]} == {"none"} and all(r["mfu"] > 0 for r in bench["gpu_train_mfu"])
+    assert {r["remat"] for r in bench["gpu_train_mfu"]} == {"none"} and all(
+        r["mfu"] > 0 for r in bench["gpu_train_mfu"]
+    )
     assert all(r["decode_tokens_per_s"] > 0 and r["roofline_tokens_per_s"] > 0 for r in bench["gpu_engine_decode"])
     (transfer,) = bench["gpu_weight_transfer"]
     assert transfer["zero_copy"] and transfer["cuda_ipc"].startswith("skipped")

@@ -21,7 +21,9 @@ def prompts():
 
 
 def engine_for(model, **kw):
-    return JaxEngine(model, max_num_seqs=kw.pop("max_num_seqs", SLOTS), max_model_len=kw.pop("max_model_len", MAX_LEN), **kw)
+    return JaxEngine(
+        model, max_num_seqs=kw.pop("max_num_seqs", SLOTS), max_model_len=kw.pop("max_model_len", MAX_LEN), **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +98,14 @@ def test_stop_tokens_and_budgets_end_requests(tiny_reference, prompts, greedy_ou
     stop = full[10]
     first = full.index(stop)
     engine = engine_for(model)
-    res = engine.generate([
-        Request("stop", prompts[4], 32, GREEDY, stop_token_ids=(stop,)),
-        Request("budget", prompts[4], 7, GREEDY),
-        Request("one", prompts[4], 1, GREEDY),
-        Request("ctx", list(range(1, 91)), 32, GREEDY),  # 90-token prompt, max_model_len 96
-    ])
+    res = engine.generate(
+        [
+            Request("stop", prompts[4], 32, GREEDY, stop_token_ids=(stop,)),
+            Request("budget", prompts[4], 7, GREEDY),
+            Request("one", prompts[4], 1, GREEDY),
+            Request("ctx", list(range(1, 91)), 32, GREEDY),  # 90-token prompt, max_model_len 96
+        ]
+    )
     assert res["stop"].token_ids == full[: first + 1] and res["stop"].finish_reason == "stop"
     assert res["budget"].token_ids == full[:7] and res["budget"].finish_reason == "length"
     assert res["one"].token_ids == full[:1] and res["one"].finish_reason == "length"
@@ -127,8 +131,12 @@ def test_abort_returns_exact_partial_and_resume_completes(tiny_reference, prompt
         n = len(r.token_ids)
         assert r.token_ids == out[r.request_id].token_ids[:n] and len(r.logprobs) == len(r.versions) == n
         np.testing.assert_allclose(r.logprobs, out[r.request_id].logprobs[:n], atol=1e-5)
-    resumed = engine.generate([Request(r.request_id, prompts[int(r.request_id)] + r.token_ids, 32 - len(r.token_ids),
-                                       GREEDY) for r in partial.values()])
+    resumed = engine.generate(
+        [
+            Request(r.request_id, prompts[int(r.request_id)] + r.token_ids, 32 - len(r.token_ids), GREEDY)
+            for r in partial.values()
+        ]
+    )
     for rid, r in partial.items():
         assert r.token_ids + resumed[rid].token_ids == out[rid].token_ids
 
@@ -136,12 +144,14 @@ def test_abort_returns_exact_partial_and_resume_completes(tiny_reference, prompt
 def test_bad_requests_fail_alone(tiny_reference, prompts):
     _, model = tiny_reference
     engine = engine_for(model)
-    res = engine.generate([
-        Request("empty", [], 8, GREEDY),
-        Request("long", list(range(MAX_LEN)), 8, GREEDY),
-        Request("zero", prompts[0], 0, GREEDY),
-        Request("good", prompts[0], 8, GREEDY),
-    ])
+    res = engine.generate(
+        [
+            Request("empty", [], 8, GREEDY),
+            Request("long", list(range(MAX_LEN)), 8, GREEDY),
+            Request("zero", prompts[0], 0, GREEDY),
+            Request("good", prompts[0], 8, GREEDY),
+        ]
+    )
     assert res["empty"].finish_reason == "error" and "'empty': empty prompt" in res["empty"].error
     assert "'long': prompt of 96 tokens" in res["long"].error and "max_model_len=96" in res["long"].error
     assert "'zero': max_new_tokens must be > 0" in res["zero"].error
@@ -183,8 +193,10 @@ def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny_reference
     out, _ = greedy_outputs
     stop = out["4"].token_ids[10]
     requests = [Request(f"g{i}", p, 32, GREEDY, stop_token_ids=(stop,)) for i, p in enumerate(prompts)]
-    requests += [Request(f"s{i}", p, 3 + 5 * i, SamplingParams(1.0, top_p=0.9, seed=i), stop_token_ids=(7, 9, 11))
-                 for i, p in enumerate(prompts[:6])]
+    requests += [
+        Request(f"s{i}", p, 3 + 5 * i, SamplingParams(1.0, top_p=0.9, seed=i), stop_token_ids=(7, 9, 11))
+        for i, p in enumerate(prompts[:6])
+    ]
     requests.append(Request("ctx", list(range(1, 91)), 32, GREEDY))  # ends at max_model_len mid-call
     single = engine_for(model, decode_steps_per_call=1).generate(requests)
     multi_engine = engine_for(model, decode_steps_per_call=8)
@@ -201,8 +213,9 @@ def test_multi_step_decode_gives_the_same_results_as_single_steps(tiny_reference
 
 def test_requests_with_the_same_prompt_share_one_prefill(tiny_reference, prompts):
     _, model = tiny_reference
-    requests = [Request(f"{g}-{j}", prompts[g], 16, SamplingParams(1.0, seed=10 * g + j)) for g in range(3)
-                for j in range(4)]
+    requests = [
+        Request(f"{g}-{j}", prompts[g], 16, SamplingParams(1.0, seed=10 * g + j)) for g in range(3) for j in range(4)
+    ]
     engine = engine_for(model, max_num_seqs=12, samples_per_prompt=4)
     shared = engine.generate(requests)
     assert engine.stats().prefill_tokens == sum(len(prompts[g]) for g in range(3))
@@ -223,8 +236,9 @@ def test_reused_aborted_kv_resumes_exactly_like_an_uninterrupted_run(tiny_refere
         engine.step()
     partial = {r.request_id: r for r in engine.abort_all() if r.token_ids}
     assert len(partial) == SLOTS and engine.stats().kv_parked == SLOTS
-    resumed = engine.generate([Request(rid, prompts[int(rid)] + r.token_ids, 32 - len(r.token_ids), GREEDY)
-                               for rid, r in partial.items()])
+    resumed = engine.generate(
+        [Request(rid, prompts[int(rid)] + r.token_ids, 32 - len(r.token_ids), GREEDY) for rid, r in partial.items()]
+    )
     stats = engine.stats()
     assert stats.kv_reused == SLOTS
     assert stats.prefill_tokens == sum(len(prompts[i]) for i in range(SLOTS))  # no re-prefill
@@ -257,8 +271,9 @@ def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny_reference, pro
         engine.step()
     engine.wake_up()
     assert engine.stats().kv_cache_bytes == sum(x.nbytes for x in jax.tree.leaves(cache))
-    resumed = engine.generate([Request(rid, prompts[int(rid)] + r.token_ids, 32 - len(r.token_ids), GREEDY)
-                               for rid, r in partial.items()])
+    resumed = engine.generate(
+        [Request(rid, prompts[int(rid)] + r.token_ids, 32 - len(r.token_ids), GREEDY) for rid, r in partial.items()]
+    )
     assert engine.stats().kv_reused == SLOTS  # the parked rows came back from host memory
     for rid, r in partial.items():
         assert r.token_ids + resumed[rid].token_ids == out[rid].token_ids
@@ -276,8 +291,9 @@ def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny_refer
     out = engine.generate([Request(str(i), p, 12, GREEDY) for i, p in enumerate(long_prompts)])
     for i, p in enumerate(long_prompts):
         assert out[str(i)].token_ids == transformers_greedy(ref, p, 12), f"prompt {i}"
-        np.testing.assert_allclose(out[str(i)].logprobs, teacher_forced_logprobs(model, p, out[str(i)].token_ids),
-                                   atol=1e-4)
+        np.testing.assert_allclose(
+            out[str(i)].logprobs, teacher_forced_logprobs(model, p, out[str(i)].token_ids), atol=1e-4
+        )
 
 
 @pytest.mark.parametrize("cache_dtype,slots", [(None, SLOTS), (jnp.bfloat16, SLOTS), (None, 1)])

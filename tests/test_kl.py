@@ -18,6 +18,7 @@ KINDS = ("k1", "k2", "k3")
 
 # ---------------- verl's kl_penalty (verl/trainer/ppo/core_algos.py), transcribed to numpy ----------------
 
+
 def verl_kl(logprob, ref_logprob, kind):
     if kind == "k1":  # "kl"
         return logprob - ref_logprob
@@ -45,12 +46,19 @@ def token_mean(x, mask):
 
 # ---------------- the loss term ----------------
 
+
 def kl_term(kind, logp, ref, mask, coef=0.5):
     """Our loss with kl_coef minus the same loss without it: exactly kl_coef x agg(kl)."""
     B, T = logp.shape
-    args = dict(old_logp_BT=jnp.asarray(logp, jnp.float32), behaviour_logp_BT=jnp.asarray(logp, jnp.float32),
-                advantages_B=jnp.zeros(B), mask_BT=jnp.asarray(mask), versions_BT=jnp.zeros((B, T), jnp.int32),
-                current_version=0, ref_logp_BT=jnp.asarray(ref, jnp.float32))
+    args = dict(
+        old_logp_BT=jnp.asarray(logp, jnp.float32),
+        behaviour_logp_BT=jnp.asarray(logp, jnp.float32),
+        advantages_B=jnp.zeros(B),
+        mask_BT=jnp.asarray(mask),
+        versions_BT=jnp.zeros((B, T), jnp.int32),
+        current_version=0,
+        ref_logp_BT=jnp.asarray(ref, jnp.float32),
+    )
     cfg = LossConfig(kl_coef=coef, kl_type=kind, tis=None)
 
     def f(lp):
@@ -71,8 +79,9 @@ def test_kl_value_and_gradient_match_verl(kind):
     expected = token_mean(verl_kl(logp, ref, kind), mask)
     np.testing.assert_allclose(kl, expected, rtol=1e-5)
     np.testing.assert_allclose(loss, 0.5 * expected, rtol=1e-5)
-    np.testing.assert_allclose(grad, 0.5 * np.where(mask > 0, verl_kl_grad(logp, ref, kind), 0) / mask.sum(),
-                               rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        grad, 0.5 * np.where(mask > 0, verl_kl_grad(logp, ref, kind), 0) / mask.sum(), rtol=1e-4, atol=1e-7
+    )
     if kind == "k3":
         assert (verl_kl(logp, ref, kind)[mask > 0] == 10).any(), "the case should exercise the clamp"
 
@@ -81,29 +90,33 @@ def test_kl_value_and_gradient_match_verl(kind):
 def test_extreme_inputs_give_finite_gradients(kind):
     """Padding with logp = -1e4 (masked) and unmasked differences of +-50 and +-1e4: verl's clamps
     keep k3 at most 10 with no gradient there, and masked positions give exactly 0, never NaN."""
-    logp = np.array([[-1.0, -50.0, -0.5, -1e4, -1e4],
-                     [-60.0, -2.0, -1e4, -3.0, -1e4]])
-    ref = np.array([[-1.2, -0.1, -60.0, 0.0, 0.0],
-                    [-0.2, -2.5, -1.0, -3.0, 0.0]])
+    logp = np.array([[-1.0, -50.0, -0.5, -1e4, -1e4], [-60.0, -2.0, -1e4, -3.0, -1e4]])
+    ref = np.array([[-1.2, -0.1, -60.0, 0.0, 0.0], [-0.2, -2.5, -1.0, -3.0, 0.0]])
     mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], np.float32)
     loss, kl, grad = kl_term(kind, logp, ref, mask, coef=1.0)
     assert np.isfinite(loss) and np.isfinite(grad).all()
     assert np.all(grad[mask == 0] == 0)
     np.testing.assert_allclose(kl, token_mean(verl_kl(logp, ref, kind), mask), rtol=1e-5)
-    np.testing.assert_allclose(grad, np.where(mask > 0, verl_kl_grad(logp, ref, kind), 0) / mask.sum(),
-                               rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        grad, np.where(mask > 0, verl_kl_grad(logp, ref, kind), 0) / mask.sum(), rtol=1e-4, atol=1e-7
+    )
 
 
 # ---------------- the trainer's reference ----------------
+
 
 def batch(B=4, S=10, seed=0):
     rng = np.random.default_rng(seed)
     mask = np.zeros((B, S - 1), np.float32)
     mask[:, 3:] = 1
     mask[1, 6:] = 0  # one shorter response: padding inside the batch
-    return {"input_ids": rng.integers(0, 64, (B, S)).astype(np.int32), "loss_mask": mask,
-            "behaviour_logp": np.full((B, S - 1), -4.0, np.float32), "versions": np.zeros((B, S - 1), np.int32),
-            "advantages": rng.normal(size=B).astype(np.float32)}
+    return {
+        "input_ids": rng.integers(0, 64, (B, S)).astype(np.int32),
+        "loss_mask": mask,
+        "behaviour_logp": np.full((B, S - 1), -4.0, np.float32),
+        "versions": np.zeros((B, S - 1), np.int32),
+        "advantages": rng.normal(size=B).astype(np.float32),
+    }
 
 
 def flat(tree):
@@ -116,8 +129,13 @@ def test_kl_changes_the_gradient_by_the_numpy_prediction():
     (k3, the kind with clamps; the three kinds' term is checked against numpy above.)"""
     coef, b, kind = 0.3, batch(), "k3"
     reference = qwen3.init_model(TINY_QWEN3, seed=11)  # a different policy, so that the KL is far from 0
-    with_kl = Trainer(qwen3.init_model(TINY_QWEN3, seed=10), LossConfig(kl_coef=coef, kl_type=kind), OptimizerConfig(),
-                      reference=reference, micro_batch_size=2)
+    with_kl = Trainer(
+        qwen3.init_model(TINY_QWEN3, seed=10),
+        LossConfig(kl_coef=coef, kl_type=kind),
+        OptimizerConfig(),
+        reference=reference,
+        micro_batch_size=2,
+    )
     without = Trainer(qwen3.init_model(TINY_QWEN3, seed=10), LossConfig(kl_coef=0.0), OptimizerConfig())
     assert without.ref_params is None, "no reference is kept when kl_coef == 0"
     m_kl, g_kl = with_kl.loss_and_grads(b, 0)
@@ -126,8 +144,7 @@ def test_kl_changes_the_gradient_by_the_numpy_prediction():
 
     logp = np.asarray(with_kl.logprobs(b["input_ids"]), np.float64)
     ref = np.asarray(with_kl.logprobs(b["input_ids"], with_kl.ref_params), np.float64)
-    np.testing.assert_allclose(float(m_kl["train/kl"]), token_mean(verl_kl(logp, ref, kind), b["loss_mask"]),
-                               rtol=1e-4)
+    np.testing.assert_allclose(float(m_kl["train/kl"]), token_mean(verl_kl(logp, ref, kind), b["loss_mask"]), rtol=1e-4)
     dkl_dlogp = np.where(b["loss_mask"] > 0, verl_kl_grad(logp, ref, kind), 0) / b["loss_mask"].sum()
     pull_back = jax.jit(lambda p, v: jax.vjp(lambda q: token_logprobs(with_kl.model(q), b["input_ids"])[0], p)[1](v)[0])
     predicted = pull_back(with_kl.params, jnp.asarray(coef * dkl_dlogp, jnp.float32))
@@ -150,5 +167,9 @@ def test_reference_is_the_frozen_initial_policy_and_kl_pulls_back_to_it():
     kls = [trainer.update(b, 0)["train/kl"] for _ in range(4)]
     assert kls[0] > 0 and kls[-1] < 0.5 * kls[0], kls
     with pytest.raises(ValueError, match="loss.ref_path"):
-        Trainer(qwen3.init_model(TINY_QWEN3, seed=12), LossConfig(kl_coef=1.0), OptimizerConfig(),
-                reference=qwen3.init_model(TINY_QWEN3.replace(head_dim=16), seed=0))
+        Trainer(
+            qwen3.init_model(TINY_QWEN3, seed=12),
+            LossConfig(kl_coef=1.0),
+            OptimizerConfig(),
+            reference=qwen3.init_model(TINY_QWEN3.replace(head_dim=16), seed=0),
+        )

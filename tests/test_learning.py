@@ -12,10 +12,20 @@ import pytest
 from april_jax.data import reverse
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--config.warmup.steps=5", "--config.rollout.rollout_batch_size=4", "--config.rollout.over_sampling_batch_size=8",
-         "--config.rollout.n_samples_per_prompt=4", "--config.rollout.max_num_seqs=32", "--config.train.micro_batch_size=16",
-         "--config.eval.num_prompts=4", "--config.eval.every=2", "--config.train.total_steps=2",
-         "--config.checkpoint.every=10", "--config.log.progress=false", "--config.log.tensorboard=false"]
+SMALL = [
+    "--config.warmup.steps=5",
+    "--config.rollout.rollout_batch_size=4",
+    "--config.rollout.over_sampling_batch_size=8",
+    "--config.rollout.n_samples_per_prompt=4",
+    "--config.rollout.max_num_seqs=32",
+    "--config.train.micro_batch_size=16",
+    "--config.eval.num_prompts=4",
+    "--config.eval.every=2",
+    "--config.train.total_steps=2",
+    "--config.checkpoint.every=10",
+    "--config.log.progress=false",
+    "--config.log.tensorboard=false",
+]
 
 
 def is_timing(key: str) -> bool:
@@ -42,7 +52,12 @@ def test_reverse_lengths_key_sets_the_tail_and_bad_values_name_the_key():
     assert set(lengths) <= {2, 3, 30, 31} and 0.07 < np.mean(lengths >= 30) < 0.13
     task = reverse.ReverseTask(0, "train", buckets)
     assert {len(r.prompt_ids) - 3 for r in task.take(200)} <= {2, 3, 30, 31}
-    for text, why in [("0.5:2-5", "sum to 0.5"), ("1:5-2", "LO <= HI"), ("1:2", "not P:LO-HI"), ("x:1-2", "not P:LO-HI")]:
+    for text, why in [
+        ("0.5:2-5", "sum to 0.5"),
+        ("1:5-2", "LO <= HI"),
+        ("1:2", "not P:LO-HI"),
+        ("x:1-2", "not P:LO-HI"),
+    ]:
         with pytest.raises(ValueError, match=why):
             reverse.parse_lengths(text)
     c = config_lib.default_config()
@@ -74,16 +89,27 @@ def test_warmup_examples_reverse_every_list_and_most_end_with_a_stray_token():
         assert answer in (exact_ids, exact_ids[:-1] + [reverse.EQ, reverse.EOS])
         exact.append(answer == exact_ids)
         # the habit is paid n / (n + 2): the digits are right, the stray '=' and the late <eos> are not
-        assert reverse.reward(reverse.stray_ids(digits), " ".join(map(str, digits[::-1]))) == len(digits) / (len(digits) + 2)
+        assert reverse.reward(reverse.stray_ids(digits), " ".join(map(str, digits[::-1]))) == len(digits) / (
+            len(digits) + 2
+        )
     assert 0.31 < np.mean(exact) < 0.39
-    assert all(a == reverse.answer_ids([t - reverse.DIGIT0 for t in p[2:-1]])
-               for p, a in reverse.sft_examples(seed=0, n=200))  # default: exact reversals only
+    assert all(
+        a == reverse.answer_ids([t - reverse.DIGIT0 for t in p[2:-1]]) for p, a in reverse.sft_examples(seed=0, n=200)
+    )  # default: exact reversals only
 
 
 def run_train(workdir, *extra):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-           f"--config.workdir={workdir}", *SMALL, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/tiny.py"),
+        f"--config.workdir={workdir}",
+        *SMALL,
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]

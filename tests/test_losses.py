@@ -17,6 +17,7 @@ B, T = 5, 7
 
 # ---------------- numpy reference (float64) ----------------
 
+
 def np_agg(x, mask, mode, norm_len):
     x = np.where(mask, x, 0.0)
     seqs = max((mask.sum(-1) > 0).sum(), 1)
@@ -39,7 +40,9 @@ def np_loss(cfg, logp, old, behav, adv, mask, versions, cur, ref=None, entropy=N
     if cfg.tis == "token":
         w = np.minimum(np.exp(old - behav), cfg.tis_cap)
     elif cfg.tis == "sequence":
-        w = np.minimum(np.exp((np.where(mask, old - behav, 0)).sum(-1, keepdims=True)), cfg.tis_cap) * np.ones_like(logp)
+        w = np.minimum(np.exp((np.where(mask, old - behav, 0)).sum(-1, keepdims=True)), cfg.tis_cap) * np.ones_like(
+            logp
+        )
     else:
         w = np.ones_like(logp)
     A = adv[:, None] * np.ones_like(logp)
@@ -55,7 +58,7 @@ def np_loss(cfg, logp, old, behav, adv, mask, versions, cur, ref=None, entropy=N
     if ref is not None and cfg.kl_coef:
         d = logp - ref
         c = np.clip(-d, -20, 20)  # verl's low_var_kl clamps ref - logp before the exp
-        kl = {"k1": d, "k2": 0.5 * d ** 2, "k3": np.clip(np.exp(c) - c - 1, -10, 10)}[cfg.kl_type]
+        kl = {"k1": d, "k2": 0.5 * d**2, "k3": np.clip(np.exp(c) - c - 1, -10, 10)}[cfg.kl_type]
         loss += cfg.kl_coef * np_agg(kl, keep, cfg.loss_agg_mode, cfg.norm_len)
     if entropy is not None and cfg.entropy_coef:
         loss -= cfg.entropy_coef * np_agg(entropy, keep, cfg.loss_agg_mode, cfg.norm_len)
@@ -72,16 +75,32 @@ def random_inputs(seed=0, stale=False):
     versions = np.full((B, T), 4)
     if stale:
         versions = rng.integers(0, 5, (B, T))
-    return dict(logp=logp, old=old, behav=behav, adv=rng.normal(0, 1, B), mask=mask, versions=versions, cur=4,
-                ref=old + rng.normal(0, 0.2, (B, T)), entropy=rng.uniform(0.5, 2.0, (B, T)))
+    return dict(
+        logp=logp,
+        old=old,
+        behav=behav,
+        adv=rng.normal(0, 1, B),
+        mask=mask,
+        versions=versions,
+        cur=4,
+        ref=old + rng.normal(0, 0.2, (B, T)),
+        entropy=rng.uniform(0.5, 2.0, (B, T)),
+    )
 
 
 def ours(cfg, x, logp=None, entropy=None):
     loss, metrics = policy_loss(
-        cfg, logp_BT=jnp.asarray(x["logp"] if logp is None else logp, jnp.float32), old_logp_BT=jnp.asarray(x["old"], jnp.float32),
-        behaviour_logp_BT=jnp.asarray(x["behav"], jnp.float32), advantages_B=jnp.asarray(x["adv"], jnp.float32),
-        mask_BT=jnp.asarray(x["mask"]), versions_BT=jnp.asarray(x["versions"]), current_version=x["cur"],
-        ref_logp_BT=jnp.asarray(x["ref"], jnp.float32), entropy_BT=jnp.asarray(x["entropy"] if entropy is None else entropy, jnp.float32))
+        cfg,
+        logp_BT=jnp.asarray(x["logp"] if logp is None else logp, jnp.float32),
+        old_logp_BT=jnp.asarray(x["old"], jnp.float32),
+        behaviour_logp_BT=jnp.asarray(x["behav"], jnp.float32),
+        advantages_B=jnp.asarray(x["adv"], jnp.float32),
+        mask_BT=jnp.asarray(x["mask"]),
+        versions_BT=jnp.asarray(x["versions"]),
+        current_version=x["cur"],
+        ref_logp_BT=jnp.asarray(x["ref"], jnp.float32),
+        entropy_BT=jnp.asarray(x["entropy"] if entropy is None else entropy, jnp.float32),
+    )
     return loss, metrics
 
 
@@ -96,19 +115,27 @@ def finite_diff(f, x, eps=1e-5):
 
 
 VARIANTS = {f"ppo-{m}": LossConfig(loss_agg_mode=m, norm_len=10) for m in AGG_MODES}
-VARIANTS.update({
-    "dual-clip": LossConfig(clip_c=1.5, clip_eps_low=0.1, clip_eps_high=0.1),
-    "gspo": LossConfig(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip_eps_low=0.3, clip_eps_high=0.4,
-                       tis="sequence", tis_cap=5.0),
-    "kl-k1": LossConfig(kl_coef=0.3, kl_type="k1"),
-    "kl-k2": LossConfig(kl_coef=0.3, kl_type="k2"),
-    "kl-k3": LossConfig(kl_coef=0.3, kl_type="k3"),
-    "entropy": LossConfig(entropy_coef=0.05),
-    "tis-sequence": LossConfig(tis="sequence", tis_cap=1.5),
-    "no-tis": LossConfig(tis=None),
-    "bypass": LossConfig(pi_old="bypass"),
-    "stale-decay": LossConfig(max_staleness=2, staleness_decay=0.8),
-})
+VARIANTS.update(
+    {
+        "dual-clip": LossConfig(clip_c=1.5, clip_eps_low=0.1, clip_eps_high=0.1),
+        "gspo": LossConfig(
+            policy_loss="gspo",
+            loss_agg_mode="seq-mean-token-mean",
+            clip_eps_low=0.3,
+            clip_eps_high=0.4,
+            tis="sequence",
+            tis_cap=5.0,
+        ),
+        "kl-k1": LossConfig(kl_coef=0.3, kl_type="k1"),
+        "kl-k2": LossConfig(kl_coef=0.3, kl_type="k2"),
+        "kl-k3": LossConfig(kl_coef=0.3, kl_type="k3"),
+        "entropy": LossConfig(entropy_coef=0.05),
+        "tis-sequence": LossConfig(tis="sequence", tis_cap=1.5),
+        "no-tis": LossConfig(tis=None),
+        "bypass": LossConfig(pi_old="bypass"),
+        "stale-decay": LossConfig(max_staleness=2, staleness_decay=0.8),
+    }
+)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -116,17 +143,27 @@ def test_loss_value_and_gradient_match_numpy(name):
     cfg = VARIANTS[name]
     x = random_inputs(seed=zlib.crc32(name.encode()) % 1000, stale=name.startswith("stale"))
     value, _ = ours(cfg, x)
-    expected = np_loss(cfg, x["logp"], x["old"], x["behav"], x["adv"], x["mask"], x["versions"], x["cur"], x["ref"], x["entropy"])
+    expected = np_loss(
+        cfg, x["logp"], x["old"], x["behav"], x["adv"], x["mask"], x["versions"], x["cur"], x["ref"], x["entropy"]
+    )
     np.testing.assert_allclose(float(value), expected, rtol=2e-5, atol=1e-6)
     grad = np.asarray(jax.grad(lambda lp: ours(cfg, x, logp=lp)[0])(jnp.asarray(x["logp"], jnp.float32)))
-    fd = finite_diff(lambda lp: np_loss(cfg, lp, x["old"], x["behav"], x["adv"], x["mask"], x["versions"], x["cur"],
-                                        x["ref"], x["entropy"]), x["logp"])
+    fd = finite_diff(
+        lambda lp: np_loss(
+            cfg, lp, x["old"], x["behav"], x["adv"], x["mask"], x["versions"], x["cur"], x["ref"], x["entropy"]
+        ),
+        x["logp"],
+    )
     np.testing.assert_allclose(grad, fd, atol=2e-4)
     assert np.all(grad[x["mask"] == 0] == 0)
     if cfg.entropy_coef:
         g_ent = np.asarray(jax.grad(lambda e: ours(cfg, x, entropy=e)[0])(jnp.asarray(x["entropy"], jnp.float32)))
-        fd_ent = finite_diff(lambda e: np_loss(cfg, x["logp"], x["old"], x["behav"], x["adv"], x["mask"], x["versions"],
-                                               x["cur"], x["ref"], e), x["entropy"])
+        fd_ent = finite_diff(
+            lambda e: np_loss(
+                cfg, x["logp"], x["old"], x["behav"], x["adv"], x["mask"], x["versions"], x["cur"], x["ref"], e
+            ),
+            x["entropy"],
+        )
         np.testing.assert_allclose(g_ent, fd_ent, atol=2e-4)
 
 
@@ -134,8 +171,14 @@ def test_loss_value_and_gradient_match_numpy(name):
 def test_padding_invariance(mode):
     cfg = LossConfig(loss_agg_mode=mode, norm_len=16, kl_coef=0.1)
     x = random_inputs(3)
-    padded = {k: (np.concatenate([v, np.random.default_rng(9).normal(0, 5, (B, 4))], axis=1)
-                  if isinstance(v, np.ndarray) and v.shape == (B, T) else v) for k, v in x.items()}
+    padded = {
+        k: (
+            np.concatenate([v, np.random.default_rng(9).normal(0, 5, (B, 4))], axis=1)
+            if isinstance(v, np.ndarray) and v.shape == (B, T)
+            else v
+        )
+        for k, v in x.items()
+    }
     padded["mask"] = np.concatenate([x["mask"], np.zeros((B, 4))], axis=1)
     padded["versions"] = np.concatenate([x["versions"], np.zeros((B, 4), int)], axis=1)
     a, _ = ours(cfg, x)
@@ -191,7 +234,9 @@ def test_staleness_masks_and_decays_exactly_the_right_tokens():
 def test_group_advantages_match_numpy():
     r = np.random.default_rng(0).normal(size=(4, 6))
     mean = r.mean(1, keepdims=True)
-    np.testing.assert_allclose(group_advantages(r, mode="grpo"), (r - mean) / (r.std(1, ddof=1, keepdims=True) + 1e-6), rtol=1e-5)
+    np.testing.assert_allclose(
+        group_advantages(r, mode="grpo"), (r - mean) / (r.std(1, ddof=1, keepdims=True) + 1e-6), rtol=1e-5
+    )
     np.testing.assert_allclose(group_advantages(r, mode="drgrpo"), r - mean, rtol=1e-5, atol=1e-6)
     loo = np.stack([[r[g, i] - np.delete(r[g], i).mean() for i in range(6)] for g in range(4)])
     np.testing.assert_allclose(group_advantages(r, mode="rloo"), loo, rtol=1e-5, atol=1e-6)

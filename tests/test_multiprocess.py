@@ -22,13 +22,23 @@ pytestmark = pytest.mark.slow  # jax.distributed training runs through the launc
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
 # Small enough to compile little: sequences fit one 32-token bucket (prompts <= 24, responses <= 8)
-ARGS = ["--config", str(ROOT / "configs/tiny.py"), "--config.warmup.steps=5", "--config.rollout.rollout_batch_size=2",
-        "--config.rollout.over_sampling_batch_size=4", "--config.rollout.n_samples_per_prompt=4",
-        "--config.rollout.max_response_len=8", "--config.rollout.max_num_seqs=16", "--config.train.micro_batch_size=8",
-        "--config.eval.every=0",
-        "--config.log.progress=false", "--config.log.tensorboard=false", "--config.checkpoint.every=1",
-        # the engine runs on 4 devices in both runs (process 0 has 4): its numerics depend on its mesh
-        "--config.rollout.engine_devices=4"]
+ARGS = [
+    "--config",
+    str(ROOT / "configs/tiny.py"),
+    "--config.warmup.steps=5",
+    "--config.rollout.rollout_batch_size=2",
+    "--config.rollout.over_sampling_batch_size=4",
+    "--config.rollout.n_samples_per_prompt=4",
+    "--config.rollout.max_response_len=8",
+    "--config.rollout.max_num_seqs=16",
+    "--config.train.micro_batch_size=8",
+    "--config.eval.every=0",
+    "--config.log.progress=false",
+    "--config.log.tensorboard=false",
+    "--config.checkpoint.every=1",
+    # the engine runs on 4 devices in both runs (process 0 has 4): its numerics depend on its mesh
+    "--config.rollout.engine_devices=4",
+]
 
 
 def run_job(workdir, nprocs: int, devices: int, steps: int = STEPS, logs=None) -> None:
@@ -37,11 +47,22 @@ def run_job(workdir, nprocs: int, devices: int, steps: int = STEPS, logs=None) -
     The 1-process reference is a jax.distributed job too, so both use gloo collectives: XLA:CPU's
     in-process collectives (a process without a distributed client) sum in another order (a
     jitted sharded sum differed from gloo's by up to 1e-5), which would make every float differ."""
-    cmd = [sys.executable, "-m", "april_jax.cli.launch", "--nprocs", str(nprocs), "--cpu-devices-per-process", str(devices),
-           *(["--log-dir", str(logs)] if logs else []), *ARGS, f"--config.workdir={workdir}",
-           f"--config.train.total_steps={steps}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
-                          timeout=1200)
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.cli.launch",
+        "--nprocs",
+        str(nprocs),
+        "--cpu-devices-per-process",
+        str(devices),
+        *(["--log-dir", str(logs)] if logs else []),
+        *ARGS,
+        f"--config.workdir={workdir}",
+        f"--config.train.total_steps={steps}",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, timeout=1200
+    )
     if proc.returncode != 0:
         raise AssertionError(f"{nprocs} x {devices} exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
 
@@ -52,8 +73,10 @@ def both_runs(tmp_path_factory):
     programs (4 local devices of 8 against 8), so neither waits for the other's cache."""
     two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
     with cf.ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = [pool.submit(run_job, two, 2, 4, logs=tmp_path_factory.mktemp("launch_logs")),
-                pool.submit(run_job, one, 1, 8)]
+        jobs = [
+            pool.submit(run_job, two, 2, 4, logs=tmp_path_factory.mktemp("launch_logs")),
+            pool.submit(run_job, one, 1, 8),
+        ]
         for job in jobs:
             job.result()
     return two, one
@@ -106,7 +129,10 @@ def test_two_processes_match_one_process_metrics(two_processes, one_process):
 
 def test_two_processes_match_one_process_checkpoints(two_processes, one_process):
     for step in range(1, STEPS + 1):
-        a, b = restore_params(two_processes / "checkpoints" / str(step)), restore_params(one_process / "checkpoints" / str(step))
+        a, b = (
+            restore_params(two_processes / "checkpoints" / str(step)),
+            restore_params(one_process / "checkpoints" / str(step)),
+        )
         assert a.keys() == b.keys() and len(a) > 5
         for name in a:
             np.testing.assert_array_equal(a[name], b[name], err_msg=f"checkpoint {step}: {name}")
@@ -135,7 +161,10 @@ def test_two_process_checkpoint_resumes_in_one_process(two_processes, one_proces
     want = read_metrics(one_process)[-1]
     got = resumed[-1]
     assert {k: v for k, v in got.items() if not _timing(k)} == {k: v for k, v in want.items() if not _timing(k)}
-    a, b = restore_params(workdir / "checkpoints" / str(STEPS)), restore_params(one_process / "checkpoints" / str(STEPS))
+    a, b = (
+        restore_params(workdir / "checkpoints" / str(STEPS)),
+        restore_params(one_process / "checkpoints" / str(STEPS)),
+    )
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
@@ -144,9 +173,19 @@ def test_launcher_stops_every_process_when_one_fails(tmp_path):
     """Process 1 exits with 3 while process 0 hangs: the launcher stops process 0 and exits with 3."""
     env = dict(os.environ, PROBE_DIR=str(tmp_path), PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.cli.launch import launch; "
-                           "sys.exit(launch(2, ['--config.x=1'], cpu_devices=4, module='launch_probe'))"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from april_jax.cli.launch import launch; "
+            "sys.exit(launch(2, ['--config.x=1'], cpu_devices=4, module='launch_probe'))",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 3, proc.stderr
     assert time.perf_counter() - t < 60
     assert "process 1 exited with 3" in proc.stderr

@@ -28,13 +28,26 @@ from april_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
-ARGS = ["--config", str(ROOT / "configs/tiny.py"), "--config.warmup.steps=2", "--config.rollout.rollout_batch_size=2",
-        "--config.rollout.over_sampling_batch_size=4", "--config.rollout.n_samples_per_prompt=2",
-        "--config.rollout.max_num_seqs=8", "--config.train.micro_batch_size=4", "--config.eval.every=0",
-        "--config.log.progress=false", "--config.log.tensorboard=false", "--config.rollout.hold_aborted_kv=false",
-        f"--config.train.total_steps={STEPS}", "--config.checkpoint.every=100"]  # only the last step saves by itself
+ARGS = [
+    "--config",
+    str(ROOT / "configs/tiny.py"),
+    "--config.warmup.steps=2",
+    "--config.rollout.rollout_batch_size=2",
+    "--config.rollout.over_sampling_batch_size=4",
+    "--config.rollout.n_samples_per_prompt=2",
+    "--config.rollout.max_num_seqs=8",
+    "--config.train.micro_batch_size=4",
+    "--config.eval.every=0",
+    "--config.log.progress=false",
+    "--config.log.tensorboard=false",
+    "--config.rollout.hold_aborted_kv=false",
+    f"--config.train.total_steps={STEPS}",
+    "--config.checkpoint.every=100",
+]  # only the last step saves by itself
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-LINE = re.compile(r"stopped by (SIG\w+) after step (\d+) of (\d+): checkpoint at (\S+); rerun the same command to resume")
+LINE = re.compile(
+    r"stopped by (SIG\w+) after step (\d+) of (\d+): checkpoint at (\S+); rerun the same command to resume"
+)
 
 
 def wall_clock(key: str) -> bool:
@@ -42,8 +55,9 @@ def wall_clock(key: str) -> bool:
 
 
 def start(cmd: list[str], log: Path, env=ENV) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True
+    )
 
 
 def wait_for(proc: subprocess.Popen, ready, log: Path, timeout: float = 600) -> None:
@@ -117,8 +131,9 @@ def test_signals_save_the_last_finished_step_and_the_resume_is_identical(uninter
     code, err = finish(proc, log)
     assert "resumed from" in err
     done = assert_stopped(code, err, signal.SIGTERM, workdir)
-    assert 1 <= done < STEPS and [r["step"] for r in read_metrics(workdir)] == list(range(done)), \
+    assert 1 <= done < STEPS and [r["step"] for r in read_metrics(workdir)] == list(range(done)), (
         "at most the step in progress is lost, and nothing written for it"
+    )
 
     code = subprocess.run(train(workdir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert code.returncode == 0, code.stderr[-3000:]
@@ -128,7 +143,10 @@ def test_signals_save_the_last_finished_step_and_the_resume_is_identical(uninter
     for a, b in zip(got, want):
         assert strip(a) == strip(b), f"step {a['step']} differs after the stops"
     assert (workdir / "delivered.jsonl").read_text() == (uninterrupted / "delivered.jsonl").read_text()
-    a, b = restore_params(workdir / "checkpoints" / str(STEPS)), restore_params(uninterrupted / "checkpoints" / str(STEPS))
+    a, b = (
+        restore_params(workdir / "checkpoints" / str(STEPS)),
+        restore_params(uninterrupted / "checkpoints" / str(STEPS)),
+    )
     assert a.keys() == b.keys() and len(a) > 5
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
@@ -140,8 +158,19 @@ def test_sigterm_under_launch_stops_every_process_at_one_step(tmp_path):
     same step (each prints the same line), save it together (one complete orbax checkpoint) and exit
     143, and so does the launcher. (A 2-process checkpoint resuming: tests/test_multiprocess.py.)"""
     workdir, log = tmp_path / "run", tmp_path / "stderr"
-    cmd = [sys.executable, "-m", "april_jax.cli.launch", "--nprocs", "2", "--cpu-devices-per-process", "2",
-           "--log-dir", str(tmp_path / "logs"), *train(workdir)[3:], "--config.rollout.engine_devices=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.cli.launch",
+        "--nprocs",
+        "2",
+        "--cpu-devices-per-process",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *train(workdir)[3:],
+        "--config.rollout.engine_devices=2",
+    ]
     proc = start(cmd, log, dict(ENV, XLA_FLAGS=""))
     wait_for(proc, lambda: len(read_metrics(workdir)) >= 1, log)
     proc.send_signal(signal.SIGTERM)  # to the launcher only: it passes the signal on
@@ -158,9 +187,19 @@ def test_the_coordinator_listens_on_loopback_only(tmp_path):
     """Under launch, JAX's coordinator (process 0, the real service) binds 127.0.0.1, not every
     interface (JAX's default, [::]:PORT)."""
     env = dict(ENV, PROBE_DIR=str(tmp_path), PROBE_MODE="listen", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    proc = subprocess.run([sys.executable, "-c", "import sys; from april_jax.cli.launch import launch; "
-                           "sys.exit(launch(2, [], cpu_devices=1, module='launch_probe'))"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from april_jax.cli.launch import launch; "
+            "sys.exit(launch(2, [], cpu_devices=1, module='launch_probe'))",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sockets = json.loads((tmp_path / "listen_0").read_text())
     assert sockets == ["127.0.0.1"], sockets

@@ -110,8 +110,14 @@ def test_presets_match_official_configs():
     }
     for name, (hidden, layers, heads, kv, inter, tie) in expected.items():
         c = qwen3.PRESETS[name]
-        assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-                c.intermediate_size, c.tie_word_embeddings) == (hidden, layers, heads, kv, inter, tie)
+        assert (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.intermediate_size,
+            c.tie_word_embeddings,
+        ) == (hidden, layers, heads, kv, inter, tie)
         assert (c.head_dim, c.vocab_size, c.rope_theta) == (128, 151936, 1e6)
     assert 7.5e9 < qwen3.PRESETS["qwen3-8b"].num_params < 8.5e9
     assert 3.8e9 < qwen3.PRESETS["qwen3-4b"].num_params < 4.2e9
@@ -125,6 +131,7 @@ def test_hf_config_round_trip():
 
 
 # ---- bad input: one clear error naming the culprit ----
+
 
 def test_missing_config_json(tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
@@ -156,7 +163,9 @@ def test_wrong_shape_named(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 96\), expected \(64, 128\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 96\), expected \(64, 128\)"
+    ):
         hf.from_pretrained(tmp_path)
 
 
@@ -182,8 +191,15 @@ def test_long_sequence_block_causal_attention_matches_transformers(tmp_path, T):
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_keeps_loss_and_gradients(policy):
-    cfg = Qwen3Config(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = Qwen3Config(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 160, (2, 140)), jnp.int32)
 
     def loss_and_grads(model):
@@ -193,8 +209,11 @@ def test_remat_keeps_loss_and_gradients(policy):
     plain_loss, plain = loss_and_grads(qwen3.init_model(cfg))
     model = qwen3.init_model(cfg.replace(remat=policy))
     remat_loss, remat = loss_and_grads(model)
-    jaxpr = str(jax.make_jaxpr(lambda s: nnx.grad(lambda m: jnp.sum(m(ids)))(nnx.merge(nnx.graphdef(model), s)))(
-        nnx.state(model)))
+    jaxpr = str(
+        jax.make_jaxpr(lambda s: nnx.grad(lambda m: jnp.sum(m(ids)))(nnx.merge(nnx.graphdef(model), s)))(
+            nnx.state(model)
+        )
+    )
     assert "remat" in jaxpr  # the layers really are rematerialised
     assert abs(float(plain_loss) - float(remat_loss)) <= 1e-6
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(plain, remat)) <= 1e-6
@@ -210,10 +229,23 @@ def test_flash_attention_call_has_our_layout_and_gqa_grouping():
     q, k, v = (jnp.asarray(r.normal(size=(B, T, n, D)), jnp.float32) for n in (H, K, K))
     flash_BTHD = qwen3._flash_causal_attention(q, k, v, jnp.float32, "xla")
     causal_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    ours_BKGTD = qwen3._dense_attention(jnp.transpose(q.reshape(B, T, K, H // K, D), (0, 2, 3, 1, 4)),
-                                        jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)), causal_BTS,
-                                        jnp.float32)
+    ours_BKGTD = qwen3._dense_attention(
+        jnp.transpose(q.reshape(B, T, K, H // K, D), (0, 2, 3, 1, 4)),
+        jnp.transpose(k, (0, 2, 3, 1)),
+        jnp.transpose(v, (0, 2, 1, 3)),
+        causal_BTS,
+        jnp.float32,
+    )
     ours_BTHD = jnp.transpose(ours_BKGTD, (0, 3, 1, 2, 4)).reshape(B, T, H, D)
     assert float(jnp.abs(flash_BTHD - ours_BTHD).max()) <= 1e-5
-    assert not qwen3._use_cudnn(Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                                            num_attention_heads=1, num_key_value_heads=1, head_dim=8))  # CPU: auto -> xla
+    assert not qwen3._use_cudnn(
+        Qwen3Config(
+            vocab_size=8,
+            hidden_size=8,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=8,
+        )
+    )  # CPU: auto -> xla

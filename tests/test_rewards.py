@@ -15,9 +15,16 @@ from april_jax.rollout.sim_engine import SimEngine
 
 
 def sample(response="the answer is 42", answer="42", **kw):
-    base = dict(prompt=[{"role": "user", "content": "q?"}], prompt_text="<user>q?", prompt_ids=[1, 2],
-                response=response, response_ids=list(range(len(response.split()))), answer=answer,
-                finish_reason="stop", fields={"difficulty": "easy"})
+    base = dict(
+        prompt=[{"role": "user", "content": "q?"}],
+        prompt_text="<user>q?",
+        prompt_ids=[1, 2],
+        response=response,
+        response_ids=list(range(len(response.split()))),
+        answer=answer,
+        finish_reason="stop",
+        fields={"difficulty": "easy"},
+    )
     return RewardSample(**{**base, **kw})
 
 
@@ -35,10 +42,12 @@ def test_call_form_is_read_from_the_signature():
 
 def test_every_call_form_scores_in_worker_processes():
     samples = [sample("a b c", "b"), sample("x", "b"), sample("p q", "z")]
-    for spec, expected in [("tests.reward_fns:text_answer", [1.0, 0.0, 0.0]),
-                           ("tests.reward_fns:uses_sample", [1.0, 1.0, 1.0]),
-                           ("tests.reward_fns:by_group", [2.0, 0.0, 1.0]),
-                           ("tests.reward_fns:awaits", [3.0, 1.0, 2.0])]:
+    for spec, expected in [
+        ("tests.reward_fns:text_answer", [1.0, 0.0, 0.0]),
+        ("tests.reward_fns:uses_sample", [1.0, 1.0, 1.0]),
+        ("tests.reward_fns:by_group", [2.0, 0.0, 1.0]),
+        ("tests.reward_fns:awaits", [3.0, 1.0, 2.0]),
+    ]:
         model = RewardModel(spec, workers=2)
         try:
             assert model.score_many(samples) == expected, spec
@@ -76,11 +85,15 @@ def test_stuck_reward_is_killed_replaced_and_counted():
 
 def test_math_verify_extracts_the_answer_itself():
     model = RewardModel("math_verify", workers=2)
-    cases = [("so the total is \\boxed{18}.", "18", 1.0), ("\\boxed{1,000}", "1000", 1.0),
-             ("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("She pays 5 + 13 = 18 dollars.", "18", 1.0),
-             ("\\boxed{19}", "18", 0.0),
-             # two different boxed answers parse as a set: hedging is not rewarded
-             ("maybe \\boxed{3}, or rather \\boxed{18}", "18", 0.0)]
+    cases = [
+        ("so the total is \\boxed{18}.", "18", 1.0),
+        ("\\boxed{1,000}", "1000", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("She pays 5 + 13 = 18 dollars.", "18", 1.0),
+        ("\\boxed{19}", "18", 0.0),
+        # two different boxed answers parse as a set: hedging is not rewarded
+        ("maybe \\boxed{3}, or rather \\boxed{18}", "18", 0.0),
+    ]
     try:
         assert model.score_many([sample(r, a) for r, a, _ in cases]) == [e for _, _, e in cases]
     finally:
@@ -101,10 +114,11 @@ def test_april_scores_finished_groups_beside_the_engine():
     rewards than scoring them one after another would take."""
     model = RewardModel("tests.reward_fns:slow", workers=4, timeout_s=10)
     uses = RewardModel("tests.reward_fns:uses_sample", workers=2)
-    prompts = (PromptRecord(f"p{i}", [5, 6, 7], answer="1", prompt=f"question {i}", fields={"difficulty": "easy"})
-               for i in range(1000))
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
-                        max_response_len=64)
+    prompts = (
+        PromptRecord(f"p{i}", [5, 6, 7], answer="1", prompt=f"question {i}", fields={"difficulty": "easy"})
+        for i in range(1000)
+    )
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4, max_response_len=64)
     try:
         decode = lambda ids: " ".join(map(str, ids))
         april = April(cfg, prompts, GroupScorer(model, decode))
@@ -135,7 +149,8 @@ def test_stuck_worker_dies_with_a_killed_trainer(tmp_path):
         "if __name__ == '__main__':\n"
         "    m = RewardModel('tests.reward_fns:hangs_on_seven', workers=1, timeout_s=600)\n"
         "    m.submit([sample(answer='7')])\n"
-        "    time.sleep(600)\n")
+        "    time.sleep(600)\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     owner = subprocess.Popen([sys.executable, str(script)], cwd=root, env=dict(os.environ, PYTHONPATH=root))
     try:

@@ -34,8 +34,15 @@ def test_norm_len_is_honoured_and_0_means_the_generation_budget():
     # ...and it is what seq-mean-token-sum-norm divides by
     rng = np.random.default_rng(0)
     logp = jnp.asarray(-rng.uniform(0.5, 2, (3, 6)), jnp.float32)
-    args = dict(logp_BT=logp, old_logp_BT=logp, behaviour_logp_BT=logp, advantages_B=jnp.array([1.0, -0.5, 2.0]),
-                mask_BT=jnp.ones((3, 6)), versions_BT=jnp.zeros((3, 6), jnp.int32), current_version=0)
+    args = dict(
+        logp_BT=logp,
+        old_logp_BT=logp,
+        behaviour_logp_BT=logp,
+        advantages_B=jnp.array([1.0, -0.5, 2.0]),
+        mask_BT=jnp.ones((3, 6)),
+        versions_BT=jnp.zeros((3, 6), jnp.int32),
+        current_version=0,
+    )
     loss = lambda n: float(policy_loss(LossConfig(loss_agg_mode="seq-mean-token-sum-norm", norm_len=n), **args)[0])
     np.testing.assert_allclose(loss(77), -(6 * (1.0 - 0.5 + 2.0)) / (3 * 77), rtol=1e-6)
     with pytest.raises(ConfigError, match="'loss.norm_len'=-1: must be >= 0"):
@@ -58,8 +65,9 @@ def test_one_staleness_key_drives_rollout_and_loss():
     c = config(rollout__max_staleness=2)
     assert config_lib.loss_cfg(c).max_staleness == config_lib.rollout_cfg(c).max_staleness == 2
     assert "max_staleness" not in c.loss
-    with pytest.raises(ConfigError, match="unknown config key 'loss.max_staleness'; did you mean "
-                                          "--config.rollout.max_staleness"):
+    with pytest.raises(
+        ConfigError, match="unknown config key 'loss.max_staleness'; did you mean --config.rollout.max_staleness"
+    ):
         config_lib.check_overrides(["x", "--config.loss.max_staleness=3"])
 
 
@@ -101,8 +109,14 @@ def test_tokens_per_s_counts_what_the_engine_generated_in_the_step():
     """Responses truncated at a short budget finish together, so the surplus complete groups serve
     the next steps from the buffer: those generate nothing and report 0 tokens/s (not delivered
     tokens over ~0 s); the others report the engine's new tokens over the step's engine time."""
-    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=8,
-                        refill="groups", inflight="over_sampling")  # surplus groups: the paper's over-sampling
+    cfg = RolloutConfig(
+        rollout_batch_size=1,
+        n_samples_per_prompt=2,
+        over_sampling_batch_size=4,
+        max_response_len=8,
+        refill="groups",
+        inflight="over_sampling",
+    )  # surplus groups: the paper's over-sampling
     april, engine = April(cfg, prompts(), lambda s, p: 1.0), SimEngine(slots=16, seed=1, length_scale=1.0)
     rows = []
     for version in range(4):

@@ -23,8 +23,15 @@ GROUPS, SAMPLES, SLOTS, STEPS, WARMUP, MAX_RESPONSE = 1, 4, 8, 2, 1, 16
 @pytest.fixture(scope="module")
 def tiny_llama_with_smollm2_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_smollm2")
-    save_tiny(path, "llama", vocab_size=49152, max_position_embeddings=1024, tie_word_embeddings=True,
-              bos_token_id=1, eos_token_id=2)
+    save_tiny(
+        path,
+        "llama",
+        vocab_size=49152,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     source = assets.smollm2_135m_instruct()
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
@@ -33,24 +40,54 @@ def tiny_llama_with_smollm2_tokenizer(tmp_path_factory):
 
 
 def test_real_prompts_on_the_jax_engine_report_consistent_figures(tiny_llama_with_smollm2_tokenizer):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.rollout", "--engine", "jax", "--model", str(tiny_llama_with_smollm2_tokenizer),
-                           "--steps", str(STEPS), "--warmup-steps", str(WARMUP), "--groups", str(GROUPS),
-                           "--samples", str(SAMPLES), "--slots", str(SLOTS), "--max-response-len", str(MAX_RESPONSE)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.rollout",
+            "--engine",
+            "jax",
+            "--model",
+            str(tiny_llama_with_smollm2_tokenizer),
+            "--steps",
+            str(STEPS),
+            "--warmup-steps",
+            str(WARMUP),
+            "--groups",
+            str(GROUPS),
+            "--samples",
+            str(SAMPLES),
+            "--slots",
+            str(SLOTS),
+            "--max-response-len",
+            str(MAX_RESPONSE),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["benchmark"] == "rollout_real" and out["engine"] == "jax" and out["slots"] == SLOTS
     assert (out["over_sampling"], out["refill"], out["inflight"]) == (64, "members", "auto")  # APRIL as shipped
     april, sync = out["april"], out["sync"]
-    assert out["delivered_speedup"] == pytest.approx(april["delivered_tokens_per_s"] / sync["delivered_tokens_per_s"],
-                                                     abs=0.002)
+    assert out["delivered_speedup"] == pytest.approx(
+        april["delivered_tokens_per_s"] / sync["delivered_tokens_per_s"], abs=0.002
+    )
     responses = GROUPS * SAMPLES * (STEPS - WARMUP)
     for run in (april, sync):
         steady = run["time_s"] - run["compile_s"]  # both rounded to 0.01 s
-        assert run["delivered_tokens"] / (steady + 0.011) <= run["delivered_tokens_per_s"] \
+        assert (
+            run["delivered_tokens"] / (steady + 0.011)
+            <= run["delivered_tokens_per_s"]
             <= run["delivered_tokens"] / (steady - 0.011)
-        assert run["delivered_tokens"] / (run["time_s"] + 0.006) <= run["delivered_tokens_per_s_with_compiles"] \
+        )
+        assert (
+            run["delivered_tokens"] / (run["time_s"] + 0.006)
+            <= run["delivered_tokens_per_s_with_compiles"]
             <= run["delivered_tokens"] / (run["time_s"] - 0.006)
+        )
         lengths = run["delivered_len"]
         assert lengths["n"] == responses
         assert lengths["mean"] * lengths["n"] == pytest.approx(run["delivered_tokens"], abs=0.01 * responses)
@@ -70,5 +107,6 @@ def test_real_prompts_on_the_jax_engine_report_consistent_figures(tiny_llama_wit
     eligible = {b: c for b, c in costs.items() if c["steps"] >= out["ceiling"]["min_steps"]}
     assert out["ceiling"]["tokens_per_s"] == max(c["tokens_per_s"] for c in eligible.values())
     assert out["ceiling"]["full_running"] == max(eligible)
-    assert out["ceiling_over_sync"] == pytest.approx(out["ceiling"]["tokens_per_s"] / sync["delivered_tokens_per_s"],
-                                                     abs=0.002)
+    assert out["ceiling_over_sync"] == pytest.approx(
+        out["ceiling"]["tokens_per_s"] / sync["delivered_tokens_per_s"], abs=0.002
+    )

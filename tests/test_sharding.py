@@ -21,10 +21,15 @@ def test_make_mesh_fills_minus_one():
     assert dict(one.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
 
 
-@pytest.mark.parametrize("axes,match", [({"data": 3, "fsdp": -1}, "not divisible"),
-                                        ({"data": -1, "fsdp": -1}, "at most one"),
-                                        ({"model": 2}, "unknown axis"),
-                                        ({"data": 4, "fsdp": 4}, "need 16 devices")])
+@pytest.mark.parametrize(
+    "axes,match",
+    [
+        ({"data": 3, "fsdp": -1}, "not divisible"),
+        ({"data": -1, "fsdp": -1}, "at most one"),
+        ({"model": 2}, "unknown axis"),
+        ({"data": 4, "fsdp": 4}, "need 16 devices"),
+    ],
+)
 def test_make_mesh_bad_axes(axes, match):
     with pytest.raises(ValueError, match=match):
         sharding.make_mesh(axes)

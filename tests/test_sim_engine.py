@@ -20,7 +20,10 @@ def small_gpu(budget_tokens: int) -> cm.Roofline:
 
 
 def requests(group: str, n: int, prompt_len=16, max_new=10**6):
-    return [Request(f"{group}/{i}/0/1", tuple(range(1, prompt_len + 1)), max_new, sample_key=f"{group}/{i}/0") for i in range(n)]
+    return [
+        Request(f"{group}/{i}/0/1", tuple(range(1, prompt_len + 1)), max_new, sample_key=f"{group}/{i}/0")
+        for i in range(n)
+    ]
 
 
 def test_memory_pressure_preempts_and_keeps_kv_within_budget():
@@ -53,8 +56,16 @@ def test_abort_then_resume_reprefills_or_reuses_parked_kv(reuse):
     before = engine.stats()
     assert before.parked_tokens == (sum(16 + len(r.token_ids) for r in partial.values()) if reuse else 0)
     assert before.kv_tokens_peak >= before.parked_tokens
-    resumed = [Request(f"{rid}x", tuple(range(1, 17)) + tuple(r.token_ids), 40_000 - len(r.token_ids),
-                       sample_key=rid.rsplit("/", 1)[0]) for rid, r in partial.items() if r.token_ids]
+    resumed = [
+        Request(
+            f"{rid}x",
+            tuple(range(1, 17)) + tuple(r.token_ids),
+            40_000 - len(r.token_ids),
+            sample_key=rid.rsplit("/", 1)[0],
+        )
+        for rid, r in partial.items()
+        if r.token_ids
+    ]
     engine.submit(resumed)
     engine.step()
     after = engine.stats()

@@ -24,8 +24,12 @@ def test_generator_is_deterministic_under_its_seed():
 
 
 def test_answers_are_the_arithmetic_of_the_question():
-    compute = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-               "two_step": lambda a, b, c: a + b - c}
+    compute = {
+        "add": lambda a, b: a + b,
+        "sub": lambda a, b: a - b,
+        "mul": lambda a, b: a * b,
+        "two_step": lambda a, b, c: a + b - c,
+    }
     for row in word_problems.generate("train", 400) + word_problems.generate("eval", 100):
         assert int(row["answer"]) == compute[row["kind"]](*row["numbers"]) >= 0, row
         assert all(str(n) in row["prompt"] for n in row["numbers"]), row
@@ -43,22 +47,32 @@ def test_held_out_split_shares_no_arithmetic_with_training():
 
 
 def sample(response, answer):
-    return RewardSample(prompt="", prompt_text="", prompt_ids=[], response=response, response_ids=[], answer=answer,
-                        finish_reason="stop")
+    return RewardSample(
+        prompt="",
+        prompt_text="",
+        prompt_ids=[],
+        response=response,
+        response_ids=[],
+        answer=answer,
+        finish_reason="stop",
+    )
 
 
-@pytest.mark.parametrize("response,answer,expected", [
-    ("Mia has 11 + 2 = 13 pencils now.", "13", 1.0),
-    ("13", "13", 1.0),
-    ("The answer is 1,200.", "1200", 1.0),
-    ("She has 7 - 3 = 4.0 apples left.", "4", 1.0),
-    # the right sum, then more talk ending on another number: the answer must be the last word
-    ("Mia has 11 + 2 = 13 pencils. This is like 11 + 2 = 22.", "13", 0.0),
-    ("Anna has 6 * 1 = 6 cookies left.", "5", 0.0),
-    ("Let's think about how many pencils Mia has", "13", 0.0),
-    ("", "13", 0.0),
-    ("It is 13.", None, 0.0),
-])
+@pytest.mark.parametrize(
+    "response,answer,expected",
+    [
+        ("Mia has 11 + 2 = 13 pencils now.", "13", 1.0),
+        ("13", "13", 1.0),
+        ("The answer is 1,200.", "1200", 1.0),
+        ("She has 7 - 3 = 4.0 apples left.", "4", 1.0),
+        # the right sum, then more talk ending on another number: the answer must be the last word
+        ("Mia has 11 + 2 = 13 pencils. This is like 11 + 2 = 22.", "13", 0.0),
+        ("Anna has 6 * 1 = 6 cookies left.", "5", 0.0),
+        ("Let's think about how many pencils Mia has", "13", 0.0),
+        ("", "13", 0.0),
+        ("It is 13.", None, 0.0),
+    ],
+)
 def test_reward_pays_the_last_number(response, answer, expected):
     assert word_problems.reward(sample(response, answer)) == expected
 

@@ -17,15 +17,27 @@ def run_rows(steps: int, eval_every: int, rng, off_policy: bool, accuracy_end: f
     for step in range(steps):
         rollout_s, train_s, sync_s = rng.uniform(0.05, 0.2), rng.uniform(0.2, 0.4), 0.01
         elapsed += rollout_s + train_s + sync_s
-        row = {"step": step, "version": step + 1, "time/rollout_s": rollout_s, "time/train_s": train_s,
-               "time/sync_s": sync_s, "time/elapsed_s": elapsed, "time/rollout_compile_s": 0.0,
-               "rollout/groups": GROUPS, "rollout/tokens": int(rng.integers(600, 1200)),
-               "rollout/off_policy_token_frac": float(rng.uniform(0, 1)) if off_policy and step else 0.0,
-               "train/off_policy_token_frac": float(rng.uniform(0, 1)) if off_policy and step else 0.0,
-               "rollout/staleness_mean": float(rng.uniform(0, 2)) if off_policy else 0.0,
-               "rollout/staleness_max": int(rng.integers(0, 3)) if off_policy else 0,
-               "rollout/stale_restarts": 1, "rollout/dropped_tokens": 3, "reward/mean": rng.uniform(0.7, 1.0),
-               "rollout/occupancy": 0.8, "rollout/response_len/mean": 7.0, "rollout/aborted": 10}
+        row = {
+            "step": step,
+            "version": step + 1,
+            "time/rollout_s": rollout_s,
+            "time/train_s": train_s,
+            "time/sync_s": sync_s,
+            "time/elapsed_s": elapsed,
+            "time/rollout_compile_s": 0.0,
+            "rollout/groups": GROUPS,
+            "rollout/tokens": int(rng.integers(600, 1200)),
+            "rollout/off_policy_token_frac": float(rng.uniform(0, 1)) if off_policy and step else 0.0,
+            "train/off_policy_token_frac": float(rng.uniform(0, 1)) if off_policy and step else 0.0,
+            "rollout/staleness_mean": float(rng.uniform(0, 2)) if off_policy else 0.0,
+            "rollout/staleness_max": int(rng.integers(0, 3)) if off_policy else 0,
+            "rollout/stale_restarts": 1,
+            "rollout/dropped_tokens": 3,
+            "reward/mean": rng.uniform(0.7, 1.0),
+            "rollout/occupancy": 0.8,
+            "rollout/response_len/mean": 7.0,
+            "rollout/aborted": 10,
+        }
         if step == 0:
             row.update({"eval/version": 0, "eval/accuracy": 0.0})
         elif (step + 1) % eval_every == 0:
@@ -43,8 +55,9 @@ def test_eval_curve_counts_the_responses_and_tokens_of_the_steps_before_each_eva
     # RL seconds: 0 at the step-0 eval (the warm-up left out), then the elapsed time after step v - 1
     rl_start = rows[0]["time/elapsed_s"] - rows[0]["time/rollout_s"] - rows[0]["time/train_s"] - rows[0]["time/sync_s"]
     assert rl_start == pytest.approx(WARMUP_S)
-    assert [p["rl_wall_s"] for p in curve] == pytest.approx([0.0] + [rows[v - 1]["time/elapsed_s"] - WARMUP_S
-                                                                     for v in (10, 20, 30)])
+    assert [p["rl_wall_s"] for p in curve] == pytest.approx(
+        [0.0] + [rows[v - 1]["time/elapsed_s"] - WARMUP_S for v in (10, 20, 30)]
+    )
     assert curve[-1]["accuracy"] == pytest.approx(0.6)
 
 
@@ -72,8 +85,15 @@ def test_study_summary_spreads_over_seeds_and_compares_every_setting_with_sync_s
     for seed in range(3):
         for name, off_policy in (("sync", False), ("april_s1", True), ("april_s4", True)):
             rows = run_rows(30, 10, rng, off_policy=off_policy, accuracy_end=final[name][seed])
-            runs.append({"setting": name, "seed": seed, "wall_s": rng.uniform(90, 150), "cpu_s": rng.uniform(80, 140),
-                         **summarize_run(rows, N)})
+            runs.append(
+                {
+                    "setting": name,
+                    "seed": seed,
+                    "wall_s": rng.uniform(90, 150),
+                    "cpu_s": rng.uniform(80, 140),
+                    **summarize_run(rows, N),
+                }
+            )
     study = summarize_study(runs)
     assert list(study) == ["sync", "april_s1", "april_s4"]
     for name, entry in study.items():

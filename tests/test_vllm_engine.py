@@ -42,7 +42,8 @@ def prompts():
 def test_greedy_tokens_and_logprobs_match_the_jax_engine(vllm_tiny, engine, prompts):
     _, model = vllm_tiny
     ours = JaxEngine(model, max_num_seqs=8, max_model_len=128).generate(
-        [Request(str(i), p, 24, GREEDY) for i, p in enumerate(prompts)])
+        [Request(str(i), p, 24, GREEDY) for i, p in enumerate(prompts)]
+    )
     theirs = engine.generate([Request(str(i), p, 24, GREEDY) for i, p in enumerate(prompts)])
     for i in range(len(prompts)):
         a, b = ours[str(i)], theirs[str(i)]
@@ -89,7 +90,9 @@ def test_weight_sync_from_jax_changes_vllm_output_to_match(vllm_tiny, engine, pr
     new_params = jax.tree.map(lambda x: x * 1.3, nnx.state(model))
     engine.update_weights(new_params, engine.policy_version + 1)
     changed = nnx.merge(nnx.graphdef(model), new_params)
-    expected = JaxEngine(changed, max_num_seqs=2, max_model_len=128).generate([Request("e", prompts[2], 24, GREEDY)])["e"]
+    expected = JaxEngine(changed, max_num_seqs=2, max_model_len=128).generate([Request("e", prompts[2], 24, GREEDY)])[
+        "e"
+    ]
     after = engine.generate([Request("a", prompts[2], 24, GREEDY)])["a"]
     assert after.token_ids == expected.token_ids != before.token_ids
     assert set(after.versions) == {engine.policy_version}
@@ -99,11 +102,19 @@ def test_weight_sync_from_jax_changes_vllm_output_to_match(vllm_tiny, engine, pr
 
 def test_file_transport_on_an_attached_server_syncs_the_same_weights(vllm_tiny, engine, prompts):
     _, model = vllm_tiny
-    attached = VllmEngine(urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16,
-                          weight_transport="file", shared_dir=engine.transport_dir)
+    attached = VllmEngine(
+        urls=engine.urls,
+        api_key=engine.api_key,
+        max_model_len=512,
+        max_num_seqs=16,
+        weight_transport="file",
+        shared_dir=engine.transport_dir,
+    )
     new_params = jax.tree.map(lambda x: x * 0.8, nnx.state(model))
     changed = nnx.merge(nnx.graphdef(model), new_params)
-    expected = JaxEngine(changed, max_num_seqs=2, max_model_len=128).generate([Request("e", prompts[3], 24, GREEDY)])["e"]
+    expected = JaxEngine(changed, max_num_seqs=2, max_model_len=128).generate([Request("e", prompts[3], 24, GREEDY)])[
+        "e"
+    ]
     try:
         attached.update_weights(new_params, 7)
         got = attached.generate([Request("f", prompts[3], 24, GREEDY)])["f"]
@@ -135,13 +146,28 @@ def test_train_cli_on_vllm_stops_on_sigterm_and_the_rerun_finishes(tmp_path):
     trainer's process group (what SLURM and Kubernetes send) saves step 1, stops the server tree
     and exits 143 with one line; the same command then resumes and finishes."""
     workdir = tmp_path / "w"
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-           f"--config.workdir={workdir}", "--config.rollout.engine=vllm", f"--config.rollout.vllm_python={VLLM_PYTHON}",
-           "--config.model.tiny.head_dim=32", "--config.train.total_steps=2", "--config.warmup.steps=5",
-           "--config.rollout.rollout_batch_size=4", "--config.rollout.over_sampling_batch_size=8",
-           "--config.rollout.n_samples_per_prompt=4", "--config.rollout.max_num_seqs=32", "--config.eval.every=0",
-           "--config.train.micro_batch_size=16", "--config.checkpoint.every=100",
-           "--config.log.tensorboard=false", "--config.log.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/tiny.py"),
+        f"--config.workdir={workdir}",
+        "--config.rollout.engine=vllm",
+        f"--config.rollout.vllm_python={VLLM_PYTHON}",
+        "--config.model.tiny.head_dim=32",
+        "--config.train.total_steps=2",
+        "--config.warmup.steps=5",
+        "--config.rollout.rollout_batch_size=4",
+        "--config.rollout.over_sampling_batch_size=8",
+        "--config.rollout.n_samples_per_prompt=4",
+        "--config.rollout.max_num_seqs=32",
+        "--config.eval.every=0",
+        "--config.train.micro_batch_size=16",
+        "--config.checkpoint.every=100",
+        "--config.log.tensorboard=false",
+        "--config.log.progress=false",
+    ]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     from april_jax.training.metrics import read_metrics
 
@@ -159,8 +185,9 @@ def test_train_cli_on_vllm_stops_on_sigterm_and_the_rerun_finishes(tmp_path):
     stderr = log.read_text()
     assert code == 143 and "Traceback" not in stderr, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
-    done = re.fullmatch(r"stopped by SIGTERM after step (\d+) of 2: checkpoint at (\S+); rerun the same command to resume",
-                        last)
+    done = re.fullmatch(
+        r"stopped by SIGTERM after step (\d+) of 2: checkpoint at (\S+); rerun the same command to resume", last
+    )
     assert done and Path(done.group(2)) == workdir / "checkpoints" / done.group(1), last
     assert (Path(done.group(2)) / "commit_success.txt").exists()
     out = subprocess.run(["pgrep", "-f", f"--model {workdir}"], capture_output=True, text=True)
@@ -183,7 +210,8 @@ def test_server_killed_mid_rollout_recovers_and_completes(vllm_tiny, engine, pro
     _, model = vllm_tiny
     n = 480  # long enough to still be running when the server dies
     full = JaxEngine(model, max_num_seqs=4, max_model_len=512).generate(
-        [Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
+        [Request(str(i), prompts[i], n, GREEDY) for i in range(3)]
+    )
     old_pid = engine.servers[0].proc.pid
     for _ in range(3):
         engine.submit([Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
@@ -213,8 +241,9 @@ def test_server_killed_mid_rollout_recovers_and_completes(vllm_tiny, engine, pro
 def test_sleep_without_sleep_mode_is_a_no_op_said_once(engine, prompts, caplog):
     import logging
 
-    attached = VllmEngine(urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16,
-                          shared_dir=engine.transport_dir)
+    attached = VllmEngine(
+        urls=engine.urls, api_key=engine.api_key, max_model_len=512, max_num_seqs=16, shared_dir=engine.transport_dir
+    )
     with caplog.at_level(logging.INFO, logger="april_jax.rollout.vllm.engine"):
         for _ in range(3):
             attached.sleep()

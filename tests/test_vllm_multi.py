@@ -39,8 +39,12 @@ def engine(vllm_tiny, vllm_cluster):
 
 
 def jax_greedy(model, n, prompts=PROMPTS):
-    return {k: r.token_ids for k, r in JaxEngine(model, max_num_seqs=8, max_model_len=512).generate(
-        [Request(str(i), p, n, GREEDY) for i, p in enumerate(prompts)]).items()}
+    return {
+        k: r.token_ids
+        for k, r in JaxEngine(model, max_num_seqs=8, max_model_len=512)
+        .generate([Request(str(i), p, n, GREEDY) for i, p in enumerate(prompts)])
+        .items()
+    }
 
 
 def metric(server, key, name):
@@ -60,12 +64,16 @@ def two_stream_on_each_server(engine, ids, timeout=120.0) -> bool:
     while True:
         with engine._lock:
             live = {rid: st["url"] for rid, st in engine._live.items() if rid in ids}
-            streaming = collections.Counter(st["url"] for rid, st in engine._live.items() if rid in ids and st["tokens"])
+            streaming = collections.Counter(
+                st["url"] for rid, st in engine._live.items() if rid in ids and st["tokens"]
+            )
         if all(streaming[url] == 2 for url in engine.urls):
             return True
         if len(live) < len(ids):
-            print(f"{sorted(set(ids) - set(live))} finished before two requests streamed on each server "
-                  f"(streaming per server: {dict(streaming)}); another round")
+            print(
+                f"{sorted(set(ids) - set(live))} finished before two requests streamed on each server "
+                f"(streaming per server: {dict(streaming)}); another round"
+            )
             return False
         assert time.time() < deadline, f"not two streaming on each server after {timeout:.0f}s: {dict(streaming)}"
         time.sleep(0.005)
@@ -103,8 +111,10 @@ def test_abort_reaches_both_servers(cluster, engine):
     servers, key, _, _ = cluster
     n = 480
     for attempt in range(3):
-        requests = side_by_side(engine, lambda r, attempt=attempt: [Request(f"long{attempt}.{r}.{i}", PROMPTS[i], n, GREEDY)
-                                                   for i in range(4)])  # round robin: two on each
+        requests = side_by_side(
+            engine,
+            lambda r, attempt=attempt: [Request(f"long{attempt}.{r}.{i}", PROMPTS[i], n, GREEDY) for i in range(4)],
+        )  # round robin: two on each
         ids = [r.request_id for r in requests]
         aborted = engine.abort_all()
         assert sorted(r.request_id for r in aborted) == ids

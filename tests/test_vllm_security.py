@@ -25,8 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(0.0)
 PROMPT = [5, 17, 42, 99, 3, 120]
 # the routes the engine calls: each must be among those that refuse a caller without the key
-ENGINE_ROUTES = {("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("POST", "/abort_requests"),
-                 ("POST", "/sleep"), ("POST", "/wake_up"), ("POST", "/v1/completions")}
+ENGINE_ROUTES = {
+    ("POST", "/collective_rpc"),
+    ("POST", "/reset_prefix_cache"),
+    ("POST", "/abort_requests"),
+    ("POST", "/sleep"),
+    ("POST", "/wake_up"),
+    ("POST", "/v1/completions"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +64,12 @@ def call(engine, path, body=None, method="POST", key="engine", url=None):
     """(status, text) of one request; key "engine" sends the engine's key, None sends none."""
     key = engine.api_key if key == "engine" else key
     data = None if method in ("GET", "HEAD") else json.dumps(body or {}).encode()
-    req = urllib.request.Request(f"{url or engine.urls[0]}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    req = urllib.request.Request(
+        f"{url or engine.urls[0]}{path}",
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, r.read().decode(errors="replace")
@@ -94,9 +103,12 @@ def test_every_route_refuses_a_caller_without_the_key(engine):
 @pytest.mark.slow
 def test_refused_control_calls_change_nothing(engine, other_weights):
     file, before = other_weights
-    refused = [("/collective_rpc", {"method": "april_update_from_file", "args": [str(file)]}),
-               ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(file.parent)}}),
-               ("/pause", {}), ("/update_weight_version", {"new_version": "intruder"})]
+    refused = [
+        ("/collective_rpc", {"method": "april_update_from_file", "args": [str(file)]}),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(file.parent)}}),
+        ("/pause", {}),
+        ("/update_weight_version", {"new_version": "intruder"}),
+    ]
     for path, body in refused:
         assert call(engine, path, body, key=None)[0] == 401, path
     assert json.loads(call(engine, "/is_paused", method="GET")[1])["is_paused"] is False
@@ -173,7 +185,11 @@ def test_no_pickle_or_eval_in_the_sidecar_code():
             found += [(file.name, n) for n in names if n in banned_modules]
             if isinstance(node, ast.Name) and node.id in banned_modules | {"eval", "exec"}:
                 found.append((file.name, node.id))
-            if isinstance(node, ast.Attribute) and node.attr in ("load", "loads") and \
-                    isinstance(node.value, ast.Name) and node.value.id in {"torch", *banned_modules}:
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("load", "loads")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in {"torch", *banned_modules}
+            ):
                 found.append((file.name, f"{node.value.id}.{node.attr}"))
     assert not found

@@ -49,11 +49,13 @@ def launch(args, *, via_trainer=False):
     throwaway trainer process, or by this test process."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if not via_trainer:
-        sidecar = subprocess.Popen([sys.executable, "-m", SIDECAR, "--parent", str(os.getpid()), *args],
-                                   start_new_session=True, env=env)
+        sidecar = subprocess.Popen(
+            [sys.executable, "-m", SIDECAR, "--parent", str(os.getpid()), *args], start_new_session=True, env=env
+        )
         return None, sidecar.pid, sidecar
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(sidecar=SIDECAR), *args],
-                               stdout=subprocess.PIPE, text=True, env=env)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER.format(sidecar=SIDECAR), *args], stdout=subprocess.PIPE, text=True, env=env
+    )
     return trainer, int(trainer.stdout.readline()), None
 
 
@@ -88,6 +90,7 @@ def test_restart_kills_the_stale_group_named_by_the_pidfile(tmp_path):
 
 # ---- the real thing: the trainer CLI on SmolLM2 (Llama) with a vLLM server it launched ----
 
+
 @pytest.fixture(scope="module")
 def smollm2_run(tmp_path_factory):
     """A SmolLM2 GSM8K run on vLLM, from the packaged checkpoint only (no hand-copied files),
@@ -95,27 +98,44 @@ def smollm2_run(tmp_path_factory):
     first train step alone takes minutes on CPU, so the tests do not wait for it)."""
     assert Path(VLLM_PYTHON).exists(), f"{VLLM_PYTHON}: no vLLM interpreter (run scripts/install.sh)"
     workdir = tmp_path_factory.mktemp("smollm2_vllm") / "w"
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/smollm2_gsm8k.py"),
-           f"--config.workdir={workdir}", "--config.rollout.engine=vllm", f"--config.rollout.vllm_python={VLLM_PYTHON}",
-           "--config.train.total_steps=2", "--config.rollout.rollout_batch_size=2",
-           "--config.rollout.over_sampling_batch_size=2", "--config.rollout.n_samples_per_prompt=2",
-           "--config.rollout.max_response_len=16", "--config.rollout.max_num_seqs=4",
-           "--config.train.micro_batch_size=4", "--config.reward.workers=1", "--config.checkpoint.every=100",
-           # no step-0 evaluation: its 100 GSM8K prompts would queue ahead of the test's request
-           # (FCFS on 4 slots; on a loaded 2-core CI machine that took over 120 s)
-           "--config.eval.every=0",
-           "--config.log.tensorboard=false", "--config.log.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/smollm2_gsm8k.py"),
+        f"--config.workdir={workdir}",
+        "--config.rollout.engine=vllm",
+        f"--config.rollout.vllm_python={VLLM_PYTHON}",
+        "--config.train.total_steps=2",
+        "--config.rollout.rollout_batch_size=2",
+        "--config.rollout.over_sampling_batch_size=2",
+        "--config.rollout.n_samples_per_prompt=2",
+        "--config.rollout.max_response_len=16",
+        "--config.rollout.max_num_seqs=4",
+        "--config.train.micro_batch_size=4",
+        "--config.reward.workers=1",
+        "--config.checkpoint.every=100",
+        # no step-0 evaluation: its 100 GSM8K prompts would queue ahead of the test's request
+        # (FCFS on 4 slots; on a loaded 2-core CI machine that took over 120 s)
+        "--config.eval.every=0",
+        "--config.log.tensorboard=false",
+        "--config.log.progress=false",
+    ]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     log = open(workdir.parent / "trainer.log", "w")
     trainer = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     pidfile = workdir / "vllm_server0.pid"
     try:
         deadline = time.time() + 600
-        while not (pidfile.exists() and len(pidfile.read_text().split()) >= 2
-                   and healthy(pidfile.read_text().split()[1])):
+        while not (
+            pidfile.exists() and len(pidfile.read_text().split()) >= 2 and healthy(pidfile.read_text().split()[1])
+        ):
             if trainer.poll() is not None or time.time() > deadline:
-                pytest.fail(f"trainer exited ({trainer.returncode}) or timed out before its server answered:\n"
-                            f"{(workdir.parent / 'trainer.log').read_text()[-3000:]}")
+                pytest.fail(
+                    f"trainer exited ({trainer.returncode}) or timed out before its server answered:\n"
+                    f"{(workdir.parent / 'trainer.log').read_text()[-3000:]}"
+                )
             time.sleep(0.5)
         yield trainer, workdir, pidfile
     finally:
@@ -141,16 +161,22 @@ def test_vllm_serves_the_llama_checkpoint_launched_by_the_trainer(smollm2_run):
     # prompt goes in as text): greedy on a chat prompt says Paris. The key is read from the
     # sidecar's environment, which only its owner may read.
     pid, url = pidfile.read_text().split()[:2]
-    environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+    environ = dict(
+        kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv
+    )
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(source)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
     body = {"model": "policy", "prompt": prompt, "max_tokens": 12, "temperature": 0}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {environ['VLLM_API_KEY']}"})
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {environ['VLLM_API_KEY']}"},
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         text = json.loads(r.read())["choices"][0]["text"]
     assert "Paris" in text, text
@@ -178,11 +204,21 @@ def test_sigkilled_trainer_takes_its_vllm_server_along(smollm2_run):
 
 # ---- finding the vLLM interpreter: one line saying what to set, never a traceback ----
 
+
 def _train_with_vllm_python(tmp_path, vllm_python):
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-           f"--config.workdir={tmp_path / 'w'}", "--config.rollout.engine=vllm",
-           f"--config.rollout.vllm_python={vllm_python}", "--config.warmup.steps=0",
-           "--config.log.tensorboard=false", "--config.log.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/tiny.py"),
+        f"--config.workdir={tmp_path / 'w'}",
+        "--config.rollout.engine=vllm",
+        f"--config.rollout.vllm_python={vllm_python}",
+        "--config.warmup.steps=0",
+        "--config.log.tensorboard=false",
+        "--config.log.progress=false",
+    ]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     _, stderr = proc.communicate(timeout=300)
@@ -214,10 +250,20 @@ def test_a_real_server_that_fails_to_start_is_one_line_with_vllm_s_reason_and_it
     before it is healthy: the trainer says vLLM's own reason and the log file, no traceback."""
     from vllm_servers import vllm_python
 
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-           f"--config.workdir={tmp_path / 'w'}", "--config.rollout.engine=vllm",
-           f"--config.rollout.vllm_python={vllm_python()}", "--config.rollout.max_model_len=8192",
-           "--config.warmup.steps=0", "--config.log.tensorboard=false", "--config.log.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/tiny.py"),
+        f"--config.workdir={tmp_path / 'w'}",
+        "--config.rollout.engine=vllm",
+        f"--config.rollout.vllm_python={vllm_python()}",
+        "--config.rollout.max_model_len=8192",
+        "--config.warmup.steps=0",
+        "--config.log.tensorboard=false",
+        "--config.log.progress=false",
+    ]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     _, stderr = proc.communicate(timeout=600)

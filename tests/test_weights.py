@@ -25,8 +25,9 @@ def test_sharded_params_are_gathered():
     model = qwen3.init_model(TINY_QWEN3, seed=1, mesh=mesh)
     reference = qwen3.init_model(TINY_QWEN3, seed=1)
     named = weights.named_numpy(model)
-    np.testing.assert_array_equal(named["model.layers.0.mlp.up_proj.weight"],
-                                  np.asarray(reference.layers[0].mlp.up_proj.weight[...]))
+    np.testing.assert_array_equal(
+        named["model.layers.0.mlp.up_proj.weight"], np.asarray(reference.layers[0].mlp.up_proj.weight[...])
+    )
 
 
 def test_safetensors_transport_loads_into_transformers(tmp_path):

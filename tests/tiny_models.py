@@ -10,8 +10,15 @@ from hf_utils import save_tiny
 
 # Two layers, grouped-query attention (4 heads over 2 KV heads), untied embeddings: every code
 # path of the real models at a size that compiles in seconds. Init with qwen3.init_model(TINY_QWEN3, seed).
-TINY_QWEN3 = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+TINY_QWEN3 = Qwen3Config(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
 
 
 def save_tiny_hf_checkpoint(path):

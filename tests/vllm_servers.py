@@ -36,8 +36,15 @@ def save_tiny_qwen3(path):
     attention supports 32, 64, 80, ... (16 crashes the server on the first request)."""
     from april_jax.models import hf
 
-    save_tiny(path, vocab_size=160, head_dim=32, num_attention_heads=4, num_key_value_heads=2,
-              initializer_range=0.3, max_position_embeddings=4096)
+    save_tiny(
+        path,
+        vocab_size=160,
+        head_dim=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
+        max_position_embeddings=4096,
+    )
     return path, hf.from_pretrained(path)
 
 
@@ -53,16 +60,21 @@ class Cluster:
     def __init__(self, model_path, n: int, log_dir):
         self.key = secrets.token_hex(16)
         self.transport = weights.make_transport_dir("/dev/shm")  # 0700, named after this process
-        self.kw = dict(python=vllm_python(), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                       api_key=self.key, transport_dir=self.transport, log_dir=log_dir,
-                       startup_timeout=480.0)  # 30-40 s idle; two starting together on a loaded box, minutes
+        self.kw = dict(
+            python=vllm_python(),
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=MAX_NUM_SEQS,
+            api_key=self.key,
+            transport_dir=self.transport,
+            log_dir=log_dir,
+            startup_timeout=480.0,
+        )  # 30-40 s idle; two starting together on a loaded box, minutes
         self.servers: list[VllmServer | None] = [None] * n
         errors = []
 
         def start(i):
             try:
-                self.servers[i] = VllmServer(model_path, name=f"server{i}", cpu_bind=str(i % os.cpu_count()),
-                                             **self.kw)
+                self.servers[i] = VllmServer(model_path, name=f"server{i}", cpu_bind=str(i % os.cpu_count()), **self.kw)
             except Exception as e:  # noqa: BLE001 - said below, after the other server is up or down
                 errors.append(e)
 
@@ -81,8 +93,14 @@ class Cluster:
 
     def engine(self, urls=None, **kw) -> VllmEngine:
         """An engine attached to `urls` (default: every server)."""
-        return VllmEngine(urls=urls or self.urls, api_key=self.key, shared_dir=self.transport,
-                          max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, **kw)
+        return VllmEngine(
+            urls=urls or self.urls,
+            api_key=self.key,
+            shared_dir=self.transport,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=MAX_NUM_SEQS,
+            **kw,
+        )
 
     def stop(self) -> None:
         for server in self.servers:

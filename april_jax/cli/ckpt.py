@@ -1,8 +1,8 @@
 """Inspect and export training checkpoints.
 
-    python -m april_jax.cli.ckpt inspect PATH [--json]     PATH: workdir, checkpoints dir or step dir
-    python -m april_jax.cli.ckpt export-hf PATH OUT        a transformers-loadable checkpoint (OUT new or empty,
-                                                       or --force to replace the model files in it)
+python -m april_jax.cli.ckpt inspect PATH [--json]     PATH: workdir, checkpoints dir or step dir
+python -m april_jax.cli.ckpt export-hf PATH OUT        a transformers-loadable checkpoint (OUT new or empty,
+                                                   or --force to replace the model files in it)
 """
 
 from __future__ import annotations
@@ -28,19 +28,32 @@ def describe(path) -> dict:
     params = []
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
-        params.append({"name": name, "shape": list(leaf.shape), "dtype": str(leaf.dtype),
-                       "sharding": str(getattr(leaf, "sharding", None))})
+        params.append(
+            {
+                "name": name,
+                "shape": list(leaf.shape),
+                "dtype": str(leaf.dtype),
+                "sharding": str(getattr(leaf, "sharding", None)),
+            }
+        )
     buffer = meta["april"]["buffer"]["groups"]
     samples = [s for g in buffer for s in g["samples"]]
     return {
-        "path": str(step_dir), "step": meta["step"], "policy_version": meta["version"],
-        "data_position": meta["data"], "skipped_steps": meta["skipped_steps"],
+        "path": str(step_dir),
+        "step": meta["step"],
+        "policy_version": meta["version"],
+        "data_position": meta["data"],
+        "skipped_steps": meta["skipped_steps"],
         "num_params": sum(math.prod(p["shape"]) for p in params),
         "params": params,
-        "buffer": {"groups": len(buffer),
-                   "complete_groups": sum(all(s["status"] in ("completed", "truncated") for s in g["samples"]) for g in buffer),
-                   "partial_samples": sum(1 for s in samples if s["status"] == "aborted" and s["response_ids"]),
-                   "tokens": sum(len(s["response_ids"]) for s in samples)},
+        "buffer": {
+            "groups": len(buffer),
+            "complete_groups": sum(
+                all(s["status"] in ("completed", "truncated") for s in g["samples"]) for g in buffer
+            ),
+            "partial_samples": sum(1 for s in samples if s["status"] == "aborted" and s["response_ids"]),
+            "tokens": sum(len(s["response_ids"]) for s in samples),
+        },
         "dropped_prompts": len(meta["april"]["dropped"]),
     }
 
@@ -53,13 +66,17 @@ def check_export_target(out, force: bool = False, step_dir=None) -> None:
     if step_dir is not None:
         checkpoints = Path(step_dir).resolve().parent
         if out.resolve() == checkpoints or checkpoints in out.resolve().parents:
-            raise CheckpointError(f"{out}: inside the run's checkpoints folder {checkpoints}, whose old steps the "
-                                  f"trainer deletes (checkpoint.keep); choose a folder outside it")
+            raise CheckpointError(
+                f"{out}: inside the run's checkpoints folder {checkpoints}, whose old steps the "
+                f"trainer deletes (checkpoint.keep); choose a folder outside it"
+            )
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise CheckpointError(f"{out}: directory is not empty (an export would replace its model files); "
-                              f"choose a new directory or pass --force")
+        raise CheckpointError(
+            f"{out}: directory is not empty (an export would replace its model files); "
+            f"choose a new directory or pass --force"
+        )
 
 
 def export_hf(path, out, force: bool = False) -> None:
@@ -72,8 +89,9 @@ def export_hf(path, out, force: bool = False) -> None:
     step_dir = resolve_step_dir(path)
     meta = read_meta(step_dir)
     check_export_target(out, force, step_dir)
-    cfg = qwen3.Qwen3Config.from_hf_config(meta["model_config"],
-                                           param_dtype=meta["model_config"].get("torch_dtype", "float32"))
+    cfg = qwen3.Qwen3Config.from_hf_config(
+        meta["model_config"], param_dtype=meta["model_config"].get("torch_dtype", "float32")
+    )
     tokenizer_dir = tokenizer_source(meta)
     if cfg.eos_token_id is None:  # a model built from model.arch: the tokenizer's eos
         cfg = cfg.replace(eos_token_id=eos_token_id(tokenizer_dir, meta))
@@ -86,8 +104,16 @@ def export_hf(path, out, force: bool = False) -> None:
     write_tokenizer(tokenizer_dir, out)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 def tokenizer_source(meta: dict):
@@ -123,8 +149,11 @@ def write_tokenizer(tokenizer_dir, out) -> None:
     from pathlib import Path
 
     if tokenizer_dir is None:
-        print("note: the run has no Hugging Face tokenizer (data.task=reverse or the tokenizer directory "
-              "is gone): the export holds weights and config only", file=sys.stderr)
+        print(
+            "note: the run has no Hugging Face tokenizer (data.task=reverse or the tokenizer directory "
+            "is gone): the export holds weights and config only",
+            file=sys.stderr,
+        )
         return
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
@@ -132,18 +161,25 @@ def write_tokenizer(tokenizer_dir, out) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m april_jax.cli.ckpt",
-                                     description="Inspect and export training checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="python -m april_jax.cli.ckpt", description="Inspect and export training checkpoints."
+    )
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{inspect,export-hf}")
     where = "a workdir, its checkpoints dir, or one step's dir (the latest step when not a step dir)"
-    p = sub.add_parser("inspect", help="step, policy version, data position, parameters and partial buffer",
-                       description="Print what a checkpoint holds: step, policy version, data position, skipped "
-                                   "steps, every parameter (shape, dtype, sharding) and the APRIL partial buffer.")
+    p = sub.add_parser(
+        "inspect",
+        help="step, policy version, data position, parameters and partial buffer",
+        description="Print what a checkpoint holds: step, policy version, data position, skipped "
+        "steps, every parameter (shape, dtype, sharding) and the APRIL partial buffer.",
+    )
     p.add_argument("path", help=where)
     p.add_argument("--json", action="store_true", help="print it as one JSON object")
-    e = sub.add_parser("export-hf", help="write a transformers-loadable checkpoint",
-                       description="Write the checkpoint's weights as a Hugging Face checkpoint (model.safetensors, "
-                                   "config.json with eos_token_id, and the run's tokenizer files).")
+    e = sub.add_parser(
+        "export-hf",
+        help="write a transformers-loadable checkpoint",
+        description="Write the checkpoint's weights as a Hugging Face checkpoint (model.safetensors, "
+        "config.json with eos_token_id, and the run's tokenizer files).",
+    )
     e.add_argument("path", help=where)
     e.add_argument("out", help="output directory: new or empty (see --force)")
     e.add_argument("--force", action="store_true", help="write into a non-empty OUT (replaces its model files)")
@@ -157,14 +193,18 @@ def main(argv=None) -> None:
             if args.json:
                 print(json.dumps(info, indent=2))
                 return
-            print(f"{info['path']}\n  step {info['step']}  policy version {info['policy_version']}  "
-                  f"data position {info['data_position']}  skipped steps {info['skipped_steps']}")
+            print(
+                f"{info['path']}\n  step {info['step']}  policy version {info['policy_version']}  "
+                f"data position {info['data_position']}  skipped steps {info['skipped_steps']}"
+            )
             print(f"  parameters: {info['num_params']:,}")
             for prm in info["params"]:
                 print(f"    {prm['name']:<50} {str(tuple(prm['shape'])):<16} {prm['dtype']:<9} {prm['sharding']}")
             b = info["buffer"]
-            print(f"  partial buffer: {b['groups']} groups ({b['complete_groups']} complete), "
-                  f"{b['partial_samples']} partial samples, {b['tokens']} tokens; dropped prompts {info['dropped_prompts']}")
+            print(
+                f"  partial buffer: {b['groups']} groups ({b['complete_groups']} complete), "
+                f"{b['partial_samples']} partial samples, {b['tokens']} tokens; dropped prompts {info['dropped_prompts']}"
+            )
         else:
             export_hf(args.path, args.out, force=args.force)
             print(f"wrote {args.out}")

@@ -27,8 +27,12 @@ def main(argv: list[str] | None = None) -> None:
     max_new_tokens = 48
     engine = JaxEngine(model, max_num_seqs=len(prompts), max_model_len=max(map(len, prompts)) + max_new_tokens)
     t = time.perf_counter()
-    out = engine.generate([Request(str(i), p, max_new_tokens, SamplingParams(temperature=0.0), tok.stop_ids)
-                           for i, p in enumerate(prompts)])
+    out = engine.generate(
+        [
+            Request(str(i), p, max_new_tokens, SamplingParams(temperature=0.0), tok.stop_ids)
+            for i, p in enumerate(prompts)
+        ]
+    )
     answers = [out[str(i)].token_ids for i in range(len(prompts))]
     print(f"generated {sum(map(len, answers))} tokens in {time.perf_counter() - t:.1f}s (incl. compile)")
     for q, a in zip(questions, answers):

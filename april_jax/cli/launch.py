@@ -45,8 +45,13 @@ def free_port() -> int:
 
 def process_env(base: dict, index: int, nprocs: int, port: int, cpu_devices: int | None) -> dict:
     """The environment of process `index`: jax.distributed's variables, and the CPU device count."""
-    env = dict(base, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(nprocs),
-               JAX_PROCESS_ID=str(index), JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
+    env = dict(
+        base,
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES=str(nprocs),
+        JAX_PROCESS_ID=str(index),
+        JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+    )
     if cpu_devices is not None:
         flags = re.sub(rf"{DEVICE_FLAG}=\S+", "", env.get("XLA_FLAGS", "")).strip()
         env["XLA_FLAGS"] = f"{flags} {DEVICE_FLAG}={cpu_devices}".strip()
@@ -66,8 +71,9 @@ def _signal_groups(procs: list[subprocess.Popen], signum: int) -> None:
                 pass
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0, signum: int = signal.SIGTERM,
-          give_up=lambda: False) -> None:
+def _stop(
+    procs: list[subprocess.Popen], grace_s: float = 10.0, signum: int = signal.SIGTERM, give_up=lambda: False
+) -> None:
     """Send `signum` to each process group still running (a trainer's reward workers included),
     then SIGKILL what is left after `grace_s`, or as soon as `give_up()` says so."""
     _signal_groups(procs, signum)
@@ -87,8 +93,10 @@ def _stopped_code(procs: list[subprocess.Popen], signum: int, log_dir: Path) -> 
         code = exit_code(p.returncode)
         if code != wanted:
             where = f" ({log_dir / f'process_{i}.log'})" if i else ""
-            print(f"launch: stopping on {signal.Signals(signum).name}: process {i} exited with {code}{where}",
-                  file=sys.stderr)
+            print(
+                f"launch: stopping on {signal.Signals(signum).name}: process {i} exited with {code}{where}",
+                file=sys.stderr,
+            )
             return code
     return wanted
 
@@ -103,8 +111,16 @@ def _tail(path: Path, lines: int = 30) -> str:
 STOP_GRACE_S = 300.0  # a trainer stopping on SIGTERM writes a checkpoint: an 8B model's takes minutes
 
 
-def launch(nprocs: int, args: list[str], *, cpu_devices: int | None = None, log_dir: Path | None = None,
-           module: str = "april_jax.train", port: int | None = None, stop_grace_s: float = STOP_GRACE_S) -> int:
+def launch(
+    nprocs: int,
+    args: list[str],
+    *,
+    cpu_devices: int | None = None,
+    log_dir: Path | None = None,
+    module: str = "april_jax.train",
+    port: int | None = None,
+    stop_grace_s: float = STOP_GRACE_S,
+) -> int:
     """Start the processes, wait for them; the job's exit code (0 only if every process exited 0)."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="april_launch_"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -122,8 +138,15 @@ def launch(nprocs: int, args: list[str], *, cpu_devices: int | None = None, log_
             out = None if i == 0 else open(log_dir / f"process_{i}.log", "w")
             logs.append(out)
             # own session: stopping a process stops its children (reward workers) too
-            procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=out,
-                                          stderr=subprocess.STDOUT if out else None, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", module, *args],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    start_new_session=True,
+                )
+            )
         while True:
             if stopping:
                 signum = stopping[0]
@@ -135,8 +158,11 @@ def launch(nprocs: int, args: list[str], *, cpu_devices: int | None = None, log_
                 i, code = failed[0]
                 _stop(procs)
                 if i:
-                    print(f"launch: process {i} exited with {exit_code(code)}; stopped the others. Its last lines "
-                          f"({log_dir / f'process_{i}.log'}):\n{_tail(log_dir / f'process_{i}.log')}", file=sys.stderr)
+                    print(
+                        f"launch: process {i} exited with {exit_code(code)}; stopped the others. Its last lines "
+                        f"({log_dir / f'process_{i}.log'}):\n{_tail(log_dir / f'process_{i}.log')}",
+                        file=sys.stderr,
+                    )
                 else:
                     print(f"launch: process 0 exited with {exit_code(code)}; stopped the others", file=sys.stderr)
                 return exit_code(code)
@@ -153,16 +179,27 @@ def launch(nprocs: int, args: list[str], *, cpu_devices: int | None = None, log_
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m april_jax.cli.launch", description=__doc__.split("\n\n")[0],
-                                     epilog="Every other argument goes to python -m april_jax.train.")
+    parser = argparse.ArgumentParser(
+        prog="python -m april_jax.cli.launch",
+        description=__doc__.split("\n\n")[0],
+        epilog="Every other argument goes to python -m april_jax.train.",
+    )
     parser.add_argument("--nprocs", type=int, required=True, help="processes to start on this machine")
-    parser.add_argument("--cpu-devices-per-process", type=int, default=None,
-                        help="CPU devices each process sees (XLA_FLAGS); default: XLA_FLAGS as set")
+    parser.add_argument(
+        "--cpu-devices-per-process",
+        type=int,
+        default=None,
+        help="CPU devices each process sees (XLA_FLAGS); default: XLA_FLAGS as set",
+    )
     parser.add_argument("--log-dir", default=None, help="where processes 1..N-1 log (default: a new temp dir)")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    parser.add_argument("--stop-grace-s", type=float, default=STOP_GRACE_S,
-                        help="on SIGTERM/SIGINT, how long the processes may take to checkpoint and exit before "
-                             "SIGKILL (default %(default)s)")
+    parser.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=STOP_GRACE_S,
+        help="on SIGTERM/SIGINT, how long the processes may take to checkpoint and exit before "
+        "SIGKILL (default %(default)s)",
+    )
     ours, rest = parser.parse_known_args(argv)
     if ours.nprocs < 1:
         parser.error(f"--nprocs={ours.nprocs}: must be >= 1")
@@ -170,8 +207,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--stop-grace-s={ours.stop_grace_s}: must be >= 0")
     if ours.cpu_devices_per_process is not None and ours.cpu_devices_per_process < 1:
         parser.error(f"--cpu-devices-per-process={ours.cpu_devices_per_process}: must be >= 1")
-    raise SystemExit(launch(ours.nprocs, rest, cpu_devices=ours.cpu_devices_per_process, log_dir=ours.log_dir,
-                            port=ours.port, stop_grace_s=ours.stop_grace_s))
+    raise SystemExit(
+        launch(
+            ours.nprocs,
+            rest,
+            cpu_devices=ours.cpu_devices_per_process,
+            log_dir=ours.log_dir,
+            port=ours.port,
+            stop_grace_s=ours.stop_grace_s,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,18 +23,34 @@ from april_jax.training.metrics import MetricsError, read_metrics
 PANELS = [
     ("Training reward", "mean reward per step", [("reward/mean", "")], True, None),
     ("Held-out eval", "mean reward (avg@k)", [("eval/avg@*", "")], False, None),
-    ("Response length", "tokens", [("rollout/response_len/mean", "mean"), ("rollout/response_len/max", "max")], True, None),
+    (
+        "Response length",
+        "tokens",
+        [("rollout/response_len/mean", "mean"), ("rollout/response_len/max", "max")],
+        True,
+        None,
+    ),
     ("Engine occupancy", "busy slots / all slots", [("rollout/occupancy", "")], True, (0, 1.05)),
     ("Off-policy tokens", "fraction of trained tokens", [("rollout/off_policy_token_frac", "")], True, (0, 1.05)),
-    ("Staleness", "policy versions behind", [("rollout/staleness_mean", "mean"), ("rollout/staleness_max", "max")], False, None),
+    (
+        "Staleness",
+        "policy versions behind",
+        [("rollout/staleness_mean", "mean"), ("rollout/staleness_max", "max")],
+        False,
+        None,
+    ),
     ("Policy loss", "loss", [("train/loss", "")], True, None),
     ("KL (behaviour -> current)", "approx. KL", [("train/ppo_kl", "")], True, None),
     ("Entropy", "nats per token", [("train/entropy", "")], True, None),
     ("Gradient norm", "global L2 norm", [("train/grad_norm", "")], True, None),
     ("Rollout throughput", "generated tokens / s", [("rollout/tokens_per_s", "")], True, None),
 ]
-TIME_PARTS = [("time/rollout_s", "rollout"), ("time/train_s", "train"), ("time/sync_s", "weight sync"),
-              ("time/ckpt_s", "checkpoint")]
+TIME_PARTS = [
+    ("time/rollout_s", "rollout"),
+    ("time/train_s", "train"),
+    ("time/sync_s", "weight sync"),
+    ("time/ckpt_s", "checkpoint"),
+]
 
 
 def ema(values: list[float], weight: float) -> list[float]:
@@ -42,12 +58,14 @@ def ema(values: list[float], weight: float) -> list[float]:
     out, last, n = [], 0.0, 0
     for v in values:
         last, n = last * weight + (1 - weight) * v, n + 1
-        out.append(last / (1 - weight ** n) if weight else v)
+        out.append(last / (1 - weight**n) if weight else v)
     return out
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"] + 1, float(r[key])) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    pts = [
+        (r["step"] + 1, float(r[key])) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    ]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -87,8 +105,17 @@ def draw(runs: list[tuple[str, list[dict], bool]], out: Path, smooth: float) -> 
                     ax.plot(x, y, color=color, alpha=0.2 * alpha, linewidth=0.8, linestyle=style)
                     ax.plot(x, ema(y, smooth), color=color, linestyle=style, linewidth=width, alpha=alpha, label=name)
                 else:
-                    ax.plot(x, y, color=color, linestyle=style, marker="o" if len(x) <= 30 else None, markersize=3,
-                            linewidth=width, alpha=alpha, label=name)
+                    ax.plot(
+                        x,
+                        y,
+                        color=color,
+                        linestyle=style,
+                        marker="o" if len(x) <= 30 else None,
+                        markersize=3,
+                        linewidth=width,
+                        alpha=alpha,
+                        label=name,
+                    )
         ax.set_title(title, fontsize=12, fontweight="bold")
         ax.set_xlabel("training step")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole numbers
@@ -102,10 +129,20 @@ def draw(runs: list[tuple[str, list[dict], bool]], out: Path, smooth: float) -> 
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
     time_panel(axes.flat[-1], runs)
-    handles = [matplotlib.lines.Line2D([], [], color=colors[i % len(colors)], linestyle="--" if sync else "-",
-                                       linewidth=2.5, label=label) for i, (label, _, sync) in enumerate(runs)]
-    fig.legend(handles=handles, loc="upper center", ncol=min(len(runs), 6), fontsize=12, frameon=False,
-               bbox_to_anchor=(0.5, 0.985))
+    handles = [
+        matplotlib.lines.Line2D(
+            [], [], color=colors[i % len(colors)], linestyle="--" if sync else "-", linewidth=2.5, label=label
+        )
+        for i, (label, _, sync) in enumerate(runs)
+    ]
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        ncol=min(len(runs), 6),
+        fontsize=12,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.985),
+    )
     note = f"faint: per step; bold: moving average (smoothing {smooth})" if smooth else "per step"
     fig.suptitle(f"april_jax training dashboard ({note})", fontsize=14, y=0.998, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.955))
@@ -155,8 +192,11 @@ def main(argv=None) -> None:
         except MetricsError as e:
             _fail(str(e))
         if torn:  # a run killed mid-write: its complete lines are still worth a plot
-            print(f"warning: {Path(run) / 'metrics.jsonl'}:{torn[0]}: incomplete last line (the run was stopped "
-                  f"while writing it); plotting the {len(rows)} complete steps", file=sys.stderr)
+            print(
+                f"warning: {Path(run) / 'metrics.jsonl'}:{torn[0]}: incomplete last line (the run was stopped "
+                f"while writing it); plotting the {len(rows)} complete steps",
+                file=sys.stderr,
+            )
         if not rows:
             _fail(f"{Path(run) / 'metrics.jsonl'}: no metrics")
         sync = is_sync(Path(run))

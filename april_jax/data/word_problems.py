@@ -40,12 +40,18 @@ def _problem(rng: Random) -> tuple[str, tuple, int]:
         return f"{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?", (kind, a, b), a - b
     if kind == "mul":
         a, b = rng.randint(2, 5), rng.randint(2, 6)
-        return (f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have in all?",
-                (kind, a, b), a * b)
+        return (
+            f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have in all?",
+            (kind, a, b),
+            a * b,
+        )
     a, b = rng.randint(2, 15), rng.randint(1, 9)
     c = rng.randint(1, a + b - 1)
-    return (f"{name} has {a} {item}, gets {b} more, and then gives away {c}. How many {item} does {name} have "
-            "left?", (kind, a, b, c), a + b - c)
+    return (
+        f"{name} has {a} {item}, gets {b} more, and then gives away {c}. How many {item} does {name} have left?",
+        (kind, a, b, c),
+        a + b - c,
+    )
 
 
 def is_held_out(arithmetic: tuple) -> bool:

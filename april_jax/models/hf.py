@@ -80,8 +80,7 @@ def read_config(path) -> dict:
     return out
 
 
-def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, compute_dtype=None,
-                    **overrides) -> Qwen3:
+def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, compute_dtype=None, **overrides) -> Qwen3:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) onto `mesh`: parameters
     in `dtype`, computation in `compute_dtype` (default: `dtype`); `overrides` set Qwen3Config fields
     that config.json does not carry (e.g. remat="full")."""
@@ -107,7 +106,8 @@ def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, comput
             raise CheckpointError(f"{path}: missing tensor {name!r}")
         if files.shape(name) != tuple(expected.shape):
             raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {files.shape(name)}, expected {tuple(expected.shape)}")
+                f"{path}: tensor {name!r} has shape {files.shape(name)}, expected {tuple(expected.shape)}"
+            )
         used.add(name)
         sharding = logical_sharding(var.get_metadata()["logical_axes"], expected.shape, mesh) if mesh else None
         target = np.dtype(expected.dtype)
@@ -123,8 +123,13 @@ def from_pretrained(path, *, dtype=jnp.float32, mesh: Mesh | None = None, comput
             var.set_value(jnp.asarray(shard(...)))
         else:
             var.set_value(jax.make_array_from_callback(tuple(expected.shape), sharding, shard))
-    unused = [n for n in files.keys() if n not in used and not n.endswith(_IGNORED_SUFFIXES)
-              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    unused = [
+        n
+        for n in files.keys()
+        if n not in used
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    ]
     if unused:
         log.warning("%s: %d tensors not used by the model, e.g. %s", path, len(unused), unused[:3])
     return nnx.merge(graphdef, state)

@@ -78,8 +78,14 @@ class Qwen3Config:
 
     @property
     def num_params(self) -> int:
-        M, I, D, H, K, V = (self.hidden_size, self.intermediate_size, self.head_dim,
-                            self.num_attention_heads, self.num_key_value_heads, self.vocab_size)
+        M, I, D, H, K, V = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.head_dim,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.vocab_size,
+        )
         attn = M * H * D * 2 + M * K * D * 2 + (2 * D if self.qk_norm else 0)
         layer = attn + 3 * M * I + 2 * M
         return V * M * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + M
@@ -160,10 +166,19 @@ class Qwen3Config:
 
 def _preset(hidden, layers, heads, intermediate, tie) -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=tie, max_position_embeddings=40960,
-        bos_token_id=151643, eos_token_id=151645,
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,
     )
 
 
@@ -192,25 +207,33 @@ class KVCache(NamedTuple):
     def zeros(cls, cfg: Qwen3Config, batch: int, max_len: int, dtype=None) -> KVCache:
         K, D, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
         dtype = dtype or cfg.dtype
-        return cls(tuple(jnp.zeros((batch, K, D, max_len), dtype) for _ in range(L)),
-                   tuple(jnp.zeros((batch, K, max_len, D), dtype) for _ in range(L)),
-                   jnp.zeros((batch,), jnp.int32))
+        return cls(
+            tuple(jnp.zeros((batch, K, D, max_len), dtype) for _ in range(L)),
+            tuple(jnp.zeros((batch, K, max_len, D), dtype) for _ in range(L)),
+            jnp.zeros((batch,), jnp.int32),
+        )
 
     def put_rows(self, rows_N, other: KVCache) -> KVCache:
         """Copy `other`'s rows (all its positions, from 0) into rows `rows_N`; out-of-range rows are dropped."""
         T = other.v[0].shape[2]
         put_k = lambda big, small: big.at[rows_N, :, :, :T].set(small, mode="drop")
         put_v = lambda big, small: big.at[rows_N, :, :T].set(small, mode="drop")
-        return KVCache(tuple(map(put_k, self.k, other.k)), tuple(map(put_v, self.v, other.v)),
-                       self.lengths_B.at[rows_N].set(other.lengths_B, mode="drop"))
+        return KVCache(
+            tuple(map(put_k, self.k, other.k)),
+            tuple(map(put_v, self.v, other.v)),
+            self.lengths_B.at[rows_N].set(other.lengths_B, mode="drop"),
+        )
 
     def take_rows(self, rows_B, num_positions: int) -> KVCache:
         """A compact cache of rows `rows_B` (out-of-range rows read the last row), first
         `num_positions` positions: the busy rows of a decode call, only as long as they need, so
         attention reads no free slot and no position past the bucket."""
         rows_B = jnp.minimum(rows_B, self.lengths_B.shape[0] - 1)
-        return KVCache(tuple(k[rows_B, :, :, :num_positions] for k in self.k),
-                       tuple(v[rows_B, :, :num_positions] for v in self.v), self.lengths_B[rows_B])
+        return KVCache(
+            tuple(k[rows_B, :, :, :num_positions] for k in self.k),
+            tuple(v[rows_B, :, :num_positions] for v in self.v),
+            self.lengths_B[rows_B],
+        )
 
     def put_new_positions(self, rows_B, small: KVCache, start_B, count: int) -> KVCache:
         """Write back what `small` (from `take_rows(rows_B, ...)`) gained: positions start_B ..
@@ -225,8 +248,11 @@ class KVCache(NamedTuple):
         b_BC = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, count))
         put_k = lambda big, sm: big.at[row_BC, :, :, dst_BC].set(sm[b_BC, :, :, src_BC], mode="drop")
         put_v = lambda big, sm: big.at[row_BC, :, dst_BC].set(sm[b_BC, :, src_BC], mode="drop")
-        return KVCache(tuple(map(put_k, self.k, small.k)), tuple(map(put_v, self.v, small.v)),
-                       self.lengths_B.at[rows_B].set(small.lengths_B, mode="drop"))
+        return KVCache(
+            tuple(map(put_k, self.k, small.k)),
+            tuple(map(put_v, self.v, small.v)),
+            self.lengths_B.at[rows_B].set(small.lengths_B, mode="drop"),
+        )
 
 
 def _normal(rngs: nnx.Rngs, shape, cfg: Qwen3Config):
@@ -314,7 +340,7 @@ def _decode_attention(q_B1KGD, keys_BKDS, values_BKSD, valid_BS, dtype):
     cache is not upcast: converting a bf16 cache to fp32 first was 6x slower on CPU at S = 1024)."""
     D = q_B1KGD.shape[-1]
     cache_dtype = keys_BKDS.dtype
-    q_BKGD = (q_B1KGD[:, 0].astype(jnp.float32) * (D ** -0.5)).astype(cache_dtype)
+    q_BKGD = (q_B1KGD[:, 0].astype(jnp.float32) * (D**-0.5)).astype(cache_dtype)
     scores_BKGS = jnp.einsum("bkgd,bkds->bkgs", q_BKGD, keys_BKDS, preferred_element_type=jnp.float32)
     scores_BKGS = jnp.where(valid_BS[:, None, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
     probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(cache_dtype)
@@ -326,8 +352,9 @@ def _dense_attention(q_BKGTD, keys_BKDS, values_BKSD, mask_BTS, dtype):
     """Queries against every key, masked. Heads-major layouts make both products plain batched
     matmuls: 1.5-1.9x faster on CPU than contracting the [B, T, K, G, D] layout directly."""
     D = q_BKGTD.shape[-1]
-    scores_BKGTS = jnp.einsum("bkgtd,bkds->bkgts", q_BKGTD, keys_BKDS.astype(q_BKGTD.dtype),
-                              preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores_BKGTS = jnp.einsum(
+        "bkgtd,bkds->bkgts", q_BKGTD, keys_BKDS.astype(q_BKGTD.dtype), preferred_element_type=jnp.float32
+    ) * (D**-0.5)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(dtype)
     return _einsum("bkgts,bksd->bkgtd", probs_BKGTS, values_BKSD, dtype)
@@ -340,24 +367,32 @@ def _block_causal_attention(q_BKGTD, keys_BKDS, values_BKSD, mask_BTS, dtype, nu
     Training at T = 512 on CPU: attention fwd+bwd 239 -> 114 ms a layer with 8 blocks."""
     T = q_BKGTD.shape[3]
     edges = [T * i // num_blocks for i in range(num_blocks + 1)]
-    outs = [_dense_attention(q_BKGTD[:, :, :, lo:hi], keys_BKDS[..., :hi], values_BKSD[:, :, :hi],
-                             mask_BTS[:, lo:hi, :hi], dtype) for lo, hi in zip(edges[:-1], edges[1:])]
+    outs = [
+        _dense_attention(
+            q_BKGTD[:, :, :, lo:hi], keys_BKDS[..., :hi], values_BKSD[:, :, :hi], mask_BTS[:, lo:hi, :hi], dtype
+        )
+        for lo, hi in zip(edges[:-1], edges[1:])
+    ]
     return jnp.concatenate(outs, axis=3)
 
 
 def _use_cudnn(cfg: Qwen3Config) -> bool:
     if cfg.attention_impl == "cudnn":
         return True
-    return (cfg.attention_impl == "auto" and jax.default_backend() == "gpu"
-            and cfg.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+    return (
+        cfg.attention_impl == "auto"
+        and jax.default_backend() == "gpu"
+        and cfg.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    )
 
 
 def _flash_causal_attention(q_BTHD, k_BTKD, v_BTKD, dtype, implementation: str):
     """jax.nn.dot_product_attention, causal: with "cudnn" a fused flash kernel that never holds the
     [T, T] scores (what long sequences need on GPU; bf16/fp16 only). Untested on GPU here: the
     tests run the same call with implementation="xla" to pin the layout and the GQA grouping."""
-    return jax.nn.dot_product_attention(q_BTHD.astype(dtype), k_BTKD.astype(dtype), v_BTKD.astype(dtype),
-                                        is_causal=True, implementation=implementation)
+    return jax.nn.dot_product_attention(
+        q_BTHD.astype(dtype), k_BTKD.astype(dtype), v_BTKD.astype(dtype), is_causal=True, implementation=implementation
+    )
 
 
 # Query blocks of at least this many tokens (fewer blocks mean less skipped; more mean more ops).
@@ -432,8 +467,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BTM, positions_BT, cache_kv=None, cache_start_B=None, positions_are_index=False):
-        attn_BTM, new_kv = self.self_attn(self.input_layernorm(x_BTM), positions_BT, cache_kv, cache_start_B,
-                                          positions_are_index)
+        attn_BTM, new_kv = self.self_attn(
+            self.input_layernorm(x_BTM), positions_BT, cache_kv, cache_start_B, positions_are_index
+        )
         x_BTM = x_BTM + attn_BTM
         return x_BTM + self.mlp(self.post_attention_layernorm(x_BTM)), new_kv
 
@@ -444,12 +480,16 @@ class Qwen3(nnx.Module):
     def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
         self.cfg = cfg
         self.mesh = mesh
-        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg),
-                                      logical_axes=("vocab", "embed"))
+        self.embed_tokens = nnx.Param(
+            _normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg), logical_axes=("vocab", "embed")
+        )
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(
-            _normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg), logical_axes=("vocab", "embed"))
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg), logical_axes=("vocab", "embed"))
+        )
 
     def _constrain_batch(self, x):
         if self.mesh is None:
@@ -493,12 +533,14 @@ class Qwen3(nnx.Module):
                 # created outside a surrounding lax.map / scan, which NNX refuses.
                 graphdef, state = nnx.split(layer)
                 x_BTM = jax.checkpoint(partial(run_layer, graphdef), policy=REMAT_POLICIES[self.cfg.remat])(
-                    state, x_BTM)
+                    state, x_BTM
+                )
                 new_kv = None
             else:
                 kv = None if cache is None else (cache.k[i], cache.v[i])
-                x_BTM, new_kv = layer(x_BTM, positions_BT, kv, None if cache is None else cache.lengths_B,
-                                      positions_are_index)
+                x_BTM, new_kv = layer(
+                    x_BTM, positions_BT, kv, None if cache is None else cache.lengths_B, positions_are_index
+                )
             x_BTM = self._constrain_batch(x_BTM)
             if new_kv is not None:
                 new_k.append(new_kv[0])
@@ -533,4 +575,3 @@ def init_model(cfg: Qwen3Config, seed: int = 0, mesh: Mesh | None = None) -> Qwe
 
         shard_model(model, mesh)
     return model
-

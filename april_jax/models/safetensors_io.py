@@ -23,9 +23,16 @@ import numpy as np
 from april_jax.runtime.errors import CheckpointError
 
 _DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -49,7 +56,9 @@ class SafetensorsDir:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 files = sorted(set(weight_map.values()))
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {_first_line(e)})") from None
+                raise CheckpointError(
+                    f"{index}: not a safetensors index ({type(e).__name__}: {_first_line(e)})"
+                ) from None
         elif single.exists():
             files = ["model.safetensors"]
         else:

@@ -50,7 +50,9 @@ def make_mesh(axes: Mapping[str, int] | None = None, devices: Sequence[jax.Devic
             raise ValueError(f"mesh: {len(devices)} devices not divisible by fixed axes {axes}")
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
-        raise ValueError(f"mesh: axes {dict(zip(MESH_AXES, sizes))} need {math.prod(sizes)} devices, have {len(devices)}")
+        raise ValueError(
+            f"mesh: axes {dict(zip(MESH_AXES, sizes))} need {math.prod(sizes)} devices, have {len(devices)}"
+        )
     device_grid = np.asarray(devices).reshape(sizes)
     return Mesh(device_grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 

@@ -32,7 +32,7 @@ def group_advantages(rewards_GN, *, mode: str = "grpo", eps: float = 1e-6, batch
         n = r.shape[1]
         if n < 2:
             raise ValueError("rloo needs at least 2 samples per prompt")
-        adv = (r - (r.sum(axis=1, keepdims=True) - r) / (n - 1))
+        adv = r - (r.sum(axis=1, keepdims=True) - r) / (n - 1)
     if batch_norm:
         adv = (adv - adv.mean()) / (adv.std() + eps)
     return adv

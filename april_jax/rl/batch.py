@@ -15,8 +15,14 @@ def pad_length(n: int, multiple: int = 32) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def groups_to_batch(groups: Sequence[Group], *, advantage_mode: str = "grpo", batch_norm: bool = False,
-                    pad_multiple: int = 32, rewards_GN=None) -> dict:
+def groups_to_batch(
+    groups: Sequence[Group],
+    *,
+    advantage_mode: str = "grpo",
+    batch_norm: bool = False,
+    pad_multiple: int = 32,
+    rewards_GN=None,
+) -> dict:
     """input_ids [B, S]; loss_mask / behaviour_logp / versions [B, S-1] aligned to the predicted
     token; advantages [B]; rewards [B]. Rows are group-major (B = groups x n)."""
     if not groups:
@@ -34,10 +40,16 @@ def groups_to_batch(groups: Sequence[Group], *, advantage_mode: str = "grpo", ba
     for row, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[row, :p] = s.prompt_ids
-        input_ids[row, p:p + r] = s.response_ids
+        input_ids[row, p : p + r] = s.response_ids
         # position t predicts token t + 1: response token j sits at p + j, predicted at p + j - 1
-        loss_mask[row, p - 1:p - 1 + r] = 1.0
-        behaviour[row, p - 1:p - 1 + r] = s.response_logprobs
-        versions[row, p - 1:p - 1 + r] = s.response_versions
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "behaviour_logp": behaviour, "versions": versions,
-            "advantages": adv.astype(np.float32), "rewards": np.asarray(rewards_GN, np.float32).reshape(-1)}
+        loss_mask[row, p - 1 : p - 1 + r] = 1.0
+        behaviour[row, p - 1 : p - 1 + r] = s.response_logprobs
+        versions[row, p - 1 : p - 1 + r] = s.response_versions
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "behaviour_logp": behaviour,
+        "versions": versions,
+        "advantages": adv.astype(np.float32),
+        "rewards": np.asarray(rewards_GN, np.float32).reshape(-1),
+    }

@@ -45,19 +45,26 @@ class LossConfig:
 
     policy_loss: str = key("ppo", "ratio per token (PPO/GRPO/DAPO) or per sequence (GSPO)", choices=("ppo", "gspo"))
     clip_eps_low: float = key(0.2, "lower PPO clip: ratios below 1 - clip_eps_low are clipped", ge=0)
-    clip_eps_high: float = key(0.28, "upper PPO clip: ratios above 1 + clip_eps_high are clipped (DAPO clip-higher)",
-                               ge=0)
+    clip_eps_high: float = key(
+        0.28, "upper PPO clip: ratios above 1 + clip_eps_high are clipped (DAPO clip-higher)", ge=0
+    )
     clip_c: float | None = internal(None, "dual-clip constant for negative advantages (e.g. 3.0); None: off")
-    loss_agg_mode: str = key("token-mean", "how token losses are averaged over the batch (verl's loss_agg_mode)",
-                             choices=AGG_MODES)
+    loss_agg_mode: str = key(
+        "token-mean", "how token losses are averaged over the batch (verl's loss_agg_mode)", choices=AGG_MODES
+    )
     norm_len: int = internal(1024, "seq-mean-token-sum-norm's constant (the generation budget)")
-    kl_coef: float = key(0.0, "weight of the KL to the frozen reference policy (verl's use_kl_loss); 0: no KL",
-                         ge=0, finite=True)
-    kl_type: str = key("k3", "KL estimator: k1 (log ratio), k2 (squared / 2), k3 (verl's low_var_kl)",
-                       choices=("k1", "k2", "k3"))
+    kl_coef: float = key(
+        0.0, "weight of the KL to the frozen reference policy (verl's use_kl_loss); 0: no KL", ge=0, finite=True
+    )
+    kl_type: str = key(
+        "k3", "KL estimator: k1 (log ratio), k2 (squared / 2), k3 (verl's low_var_kl)", choices=("k1", "k2", "k3")
+    )
     entropy_coef: float = key(0.0, "weight of the entropy bonus (subtracted from the loss); 0: off", finite=True)
-    pi_old: str = key("recompute", "pi_old: recomputed once per rollout batch by the trainer, or 'bypass' "
-                                   "(the engine's behaviour logprobs)", choices=("recompute", "bypass"))
+    pi_old: str = key(
+        "recompute",
+        "pi_old: recomputed once per rollout batch by the trainer, or 'bypass' (the engine's behaviour logprobs)",
+        choices=("recompute", "bypass"),
+    )
     tis: str | None = internal("token", "truncated importance sampling: 'token', 'sequence' or None")
     tis_cap: float = key(2.0, "truncated-IS cap C: weights min(pi_old / pi_behaviour, C)", gt=0)
     max_staleness: int = internal(4, "tokens older than this many policy versions are masked (rollout.max_staleness)")
@@ -68,8 +75,10 @@ class LossConfig:
         if self.tis not in ("token", "sequence", None):
             raise ValueError(f"loss.tis={self.tis!r}: expected one of ('token', 'sequence', None)")
         if self.policy_loss == "gspo" and self.tis == "token":
-            raise ValueError("loss.tis='token' with loss.policy_loss='gspo': GSPO weighs whole sequences; "
-                             "use loss.tis='sequence' or None")
+            raise ValueError(
+                "loss.tis='token' with loss.policy_loss='gspo': GSPO weighs whole sequences; "
+                "use loss.tis='sequence' or None"
+            )
         if self.norm_len <= 0:
             raise ValueError(f"loss.norm_len={self.norm_len}: must be > 0")
         return self
@@ -120,14 +129,28 @@ def _masked_mean(x_BT, mask_BT):
     return jnp.where(m > 0, x_BT, 0.0).sum() / jnp.maximum(m.sum(), 1.0)
 
 
-def policy_loss(cfg: LossConfig, *, logp_BT, old_logp_BT, behaviour_logp_BT, advantages_B, mask_BT, versions_BT,
-                current_version, denoms: dict | None = None, ref_logp_BT=None, entropy_BT=None):
+def policy_loss(
+    cfg: LossConfig,
+    *,
+    logp_BT,
+    old_logp_BT,
+    behaviour_logp_BT,
+    advantages_B,
+    mask_BT,
+    versions_BT,
+    current_version,
+    denoms: dict | None = None,
+    ref_logp_BT=None,
+    entropy_BT=None,
+):
     """(loss, metrics). Gradients flow through `logp_BT` (and `entropy_BT`) only."""
     # Shapes are static, so these checks cost nothing inside jit; without them a [B, 1] or [T]
     # array would broadcast against [B, T] and train on the wrong numbers without an error.
     chex.assert_rank(logp_BT, 2)
-    chex.assert_equal_shape([logp_BT, old_logp_BT, behaviour_logp_BT, mask_BT, versions_BT]
-                            + [x for x in (ref_logp_BT, entropy_BT) if x is not None])
+    chex.assert_equal_shape(
+        [logp_BT, old_logp_BT, behaviour_logp_BT, mask_BT, versions_BT]
+        + [x for x in (ref_logp_BT, entropy_BT) if x is not None]
+    )
     chex.assert_shape(advantages_B, (logp_BT.shape[0],))
     mask = mask_BT.astype(bool)
     old = jax.lax.stop_gradient(behaviour_logp_BT if cfg.pi_old == "bypass" else old_logp_BT)

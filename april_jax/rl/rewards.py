@@ -42,8 +42,9 @@ from april_jax.data import reverse
 
 # Pool workers re-run a `python -m pkg.mod` trainer's module as __mp_main__ after the fork server
 # preloaded it (see RewardModel); runpy warns about exactly that, harmlessly, once per worker.
-warnings.filterwarnings("ignore", message=r".* found in sys.modules after import of package", category=RuntimeWarning,
-                        module="runpy")
+warnings.filterwarnings(
+    "ignore", message=r".* found in sys.modules after import of package", category=RuntimeWarning, module="runpy"
+)
 
 
 @dataclasses.dataclass
@@ -111,21 +112,26 @@ def load_function(spec: str) -> Callable:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         missing = e.name or module_name
-        why = (f"no module {module_name!r} (is its folder the current one, or on PYTHONPATH?)"
-               if module_name == missing or module_name.startswith(missing + ".")
-               else f"importing {module_name!r} failed: it imports {missing!r}, which is not installed")
+        why = (
+            f"no module {module_name!r} (is its folder the current one, or on PYTHONPATH?)"
+            if module_name == missing or module_name.startswith(missing + ".")
+            else f"importing {module_name!r} failed: it imports {missing!r}, which is not installed"
+        )
         raise ConfigError(f"{where}: {why}") from None
     except BaseException as e:  # the module's own code failed (a SyntaxError, an exception, even sys.exit)
         if isinstance(e, KeyboardInterrupt):
             raise
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        raise ConfigError(f"{where}: importing {module_name!r} failed ({type(e).__name__}"
-                          f"{': ' + detail if detail else ''})") from None
+        raise ConfigError(
+            f"{where}: importing {module_name!r} failed ({type(e).__name__}{': ' + detail if detail else ''})"
+        ) from None
     if not hasattr(module, name):
         public = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
         near = difflib.get_close_matches(name, public, n=1)
-        raise ConfigError(f"{where}: module {module_name!r} has no {name!r}"
-                          + (f"; did you mean {module_name + ':' + near[0]!r}?" if near else ""))
+        raise ConfigError(
+            f"{where}: module {module_name!r} has no {name!r}"
+            + (f"; did you mean {module_name + ':' + near[0]!r}?" if near else "")
+        )
     fn = getattr(module, name)
     if not callable(fn):
         raise ConfigError(f"{where}: {name!r} is a {type(fn).__name__}, not a function")
@@ -133,7 +139,7 @@ def load_function(spec: str) -> Callable:
 
 
 def call_form(fn: Callable) -> str:
-    """"batched", "async", "text_answer" (the old two-argument form) or "sample"."""
+    """ "batched", "async", "text_answer" (the old two-argument form) or "sample"."""
     if getattr(fn, "april_batched", False):
         return "batched"
     if inspect.iscoroutinefunction(fn):
@@ -142,8 +148,7 @@ def call_form(fn: Callable) -> str:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return "sample"
-    required = [p for p in params if p.default is p.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return "text_answer" if len(required) >= 2 else "sample"
 
 
@@ -193,8 +198,10 @@ def score_in_worker(spec: str, samples: list[RewardSample]) -> list[float]:
         out = fn(samples)
         out = asyncio.run(out) if inspect.isawaitable(out) else out
     elif form == "async":
+
         async def gather():
             return await asyncio.gather(*(fn(s) for s in samples))
+
         out = asyncio.run(gather())
     elif form == "text_answer":
         out = [fn(s.response, s.answer) for s in samples]
@@ -260,8 +267,9 @@ class RewardModel:
             if main_spec is not None and not main_spec.name.endswith("__main__"):
                 preload.append(main_spec.name)
             context.set_forkserver_preload(["__main__", __name__, *preload])
-            self._pool = pebble.ProcessPool(max_workers=workers, context=context, initializer=_load_in_worker,
-                                            initargs=(spec, os.getpid()))
+            self._pool = pebble.ProcessPool(
+                max_workers=workers, context=context, initializer=_load_in_worker, initargs=(spec, os.getpid())
+            )
             for _ in range(workers):  # start the server and workers now, while the trainer compiles
                 self._pool.schedule(_ready)
 
@@ -272,7 +280,10 @@ class RewardModel:
         if self._inline is not None:
             futures, sizes = [_done_future([self._safe_inline(s) for s in samples])], [len(samples)]
         elif self.form in ("batched", "async"):
-            futures, sizes = [self._pool.schedule(score_in_worker, (self.spec, samples), timeout=self.timeout_s)], [len(samples)]
+            futures, sizes = (
+                [self._pool.schedule(score_in_worker, (self.spec, samples), timeout=self.timeout_s)],
+                [len(samples)],
+            )
         else:
             futures = [self._pool.schedule(score_in_worker, (self.spec, [s]), timeout=self.timeout_s) for s in samples]
             sizes = [1] * len(samples)
@@ -318,7 +329,6 @@ class RewardModel:
             self._pool = None
 
 
-
 class GroupScorer:
     """APRIL's side of a RewardModel: turns a finished group into RewardSamples and submits them.
 
@@ -329,15 +339,26 @@ class GroupScorer:
         self.model, self.decode, self.adjust = model, decode, adjust
         self.decode_prompt = decode_prompt or decode
 
-    def sample(self, prompt, response_ids, finish_reason, index: int = 0, prompt_text: str | None = None) -> RewardSample:
+    def sample(
+        self, prompt, response_ids, finish_reason, index: int = 0, prompt_text: str | None = None
+    ) -> RewardSample:
         prompt_text = self.decode_prompt(prompt.prompt_ids) if prompt_text is None else prompt_text
-        return RewardSample(prompt=prompt.prompt if prompt.prompt is not None else prompt_text, prompt_text=prompt_text,
-                            prompt_ids=list(prompt.prompt_ids), response=self.decode(response_ids),
-                            response_ids=list(response_ids), answer=prompt.answer, finish_reason=finish_reason,
-                            fields=dict(prompt.fields), uid=prompt.uid, index=index)
+        return RewardSample(
+            prompt=prompt.prompt if prompt.prompt is not None else prompt_text,
+            prompt_text=prompt_text,
+            prompt_ids=list(prompt.prompt_ids),
+            response=self.decode(response_ids),
+            response_ids=list(response_ids),
+            answer=prompt.answer,
+            finish_reason=finish_reason,
+            fields=dict(prompt.fields),
+            uid=prompt.uid,
+            index=index,
+        )
 
     def submit_group(self, group) -> PendingScores:
         prompt_text = self.decode_prompt(group.prompt.prompt_ids)  # once: the members share it
-        samples = [self.sample(group.prompt, s.response_ids, s.finish_reason, s.index, prompt_text)
-                   for s in group.samples]
+        samples = [
+            self.sample(group.prompt, s.response_ids, s.finish_reason, s.index, prompt_text) for s in group.samples
+        ]
         return self.model.submit(samples, self.adjust)

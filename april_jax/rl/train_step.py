@@ -44,8 +44,9 @@ class OptimizerConfig:
 
     lr: float = key(1e-6, "peak learning rate of the policy update", ge=0, finite=True)
     warmup_steps: int = key(0, "optimiser steps of linear learning-rate warm-up from 0", ge=0)
-    total_steps: int = key(0, "optimiser steps the cosine schedule spans; 0: train.total_steps x train.num_iterations",
-                           ge=0)
+    total_steps: int = key(
+        0, "optimiser steps the cosine schedule spans; 0: train.total_steps x train.num_iterations", ge=0
+    )
     schedule: str = key("constant", "learning-rate schedule after the warm-up", choices=("constant", "cosine"))
     weight_decay: float = key(0.0, "AdamW decoupled weight decay", ge=0)
     b1: float = key(0.9, "Adam beta1", ge=0, le=1)
@@ -62,15 +63,18 @@ def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     if cfg.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(warmup, 1), max(cfg.total_steps, warmup + 1))
     if warmup:
-        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
-                                    [warmup])
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup]
+        )
     return optax.constant_schedule(cfg.lr)
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     schedule = make_schedule(cfg)
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                       optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay))
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(schedule, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay),
+    )
 
 
 def token_logprobs(model: Qwen3, input_ids_BS, temperature: float = 1.0, entropy_grad: bool = False):
@@ -101,8 +105,17 @@ def _nest(flat: dict[tuple, object]) -> dict:
 class Trainer:
     """Holds params + optimiser state on the mesh and runs policy updates."""
 
-    def __init__(self, model: Qwen3, loss_cfg: LossConfig, opt_cfg: OptimizerConfig, *, mesh: Mesh | None = None,
-                 micro_batch_size: int | None = None, temperature: float = 1.0, reference: Qwen3 | None = None):
+    def __init__(
+        self,
+        model: Qwen3,
+        loss_cfg: LossConfig,
+        opt_cfg: OptimizerConfig,
+        *,
+        mesh: Mesh | None = None,
+        micro_batch_size: int | None = None,
+        temperature: float = 1.0,
+        reference: Qwen3 | None = None,
+    ):
         """`reference`: the frozen KL reference (same architecture); None: the initial params.
         Only kept when loss_cfg.kl_coef > 0."""
         self.loss_cfg = loss_cfg.validate()
@@ -117,12 +130,14 @@ class Trainer:
         self.step_count = 0
         flat = nnx.to_flat_state(state)
         if mesh is not None:
-            self.param_shardings = _nest({p: logical_sharding(v.get_metadata()["logical_axes"], v.get_value().shape, mesh)
-                                          for p, v in flat})
+            self.param_shardings = _nest(
+                {p: logical_sharding(v.get_metadata()["logical_axes"], v.get_value().shape, mesh) for p, v in flat}
+            )
             replicated = NamedSharding(mesh, P())
             abstract_opt = jax.eval_shape(self.tx.init, nnx.to_pure_dict(state))
-            self.opt_shardings = optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, self.param_shardings,
-                                                       transform_non_params=lambda _: replicated)
+            self.opt_shardings = optax.tree_map_params(
+                self.tx, lambda _, s: s, abstract_opt, self.param_shardings, transform_non_params=lambda _: replicated
+            )
             self.params = jax.device_put(nnx.to_pure_dict(state), self.param_shardings)
             self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         else:
@@ -139,7 +154,9 @@ class Trainer:
             source = nnx.to_pure_dict(nnx.state(reference))
             describe = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
             if describe(source) != describe(self.params):
-                raise ValueError("loss.ref_path: the reference model's parameter shapes/dtypes differ from the policy's")
+                raise ValueError(
+                    "loss.ref_path: the reference model's parameter shapes/dtypes differ from the policy's"
+                )
             # already on the mesh when loaded with it: then a no-op
             return source if self.mesh is None else jax.device_put(source, self.param_shardings)
         kw = {} if self.mesh is None else dict(out_shardings=self.param_shardings)
@@ -264,12 +281,22 @@ class Trainer:
         micro = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
 
         def loss_fn(p, mb):
-            logp, entropy = token_logprobs(self.model(p), mb["input_ids"], self.temperature,
-                                           entropy_grad=bool(self.loss_cfg.entropy_coef))
-            return policy_loss(self.loss_cfg, logp_BT=logp, old_logp_BT=mb["old_logp"],
-                               behaviour_logp_BT=mb["behaviour_logp"], advantages_B=mb["advantages"],
-                               mask_BT=mb["loss_mask"], versions_BT=mb["versions"], current_version=current_version,
-                               denoms=denoms, ref_logp_BT=mb.get("ref_logp"), entropy_BT=entropy)
+            logp, entropy = token_logprobs(
+                self.model(p), mb["input_ids"], self.temperature, entropy_grad=bool(self.loss_cfg.entropy_coef)
+            )
+            return policy_loss(
+                self.loss_cfg,
+                logp_BT=logp,
+                old_logp_BT=mb["old_logp"],
+                behaviour_logp_BT=mb["behaviour_logp"],
+                advantages_B=mb["advantages"],
+                mask_BT=mb["loss_mask"],
+                versions_BT=mb["versions"],
+                current_version=current_version,
+                denoms=denoms,
+                ref_logp_BT=mb.get("ref_logp"),
+                entropy_BT=entropy,
+            )
 
         def body(grads, mb):
             (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)

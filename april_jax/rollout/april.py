@@ -146,9 +146,15 @@ class April:
     def _request(self, s: Sample) -> Request:
         cfg = self.cfg
         key = f"{s.group_id}/{s.index}/{s.attempt}"
-        return Request(f"{key}/{s.segments}", s.prompt_ids + s.response_ids, cfg.max_response_len - len(s.response_ids),
-                       SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k), cfg.stop_token_ids, sample_key=key,
-                       shared_prefix_len=len(s.prompt_ids))  # the group's members prefill their prompt once
+        return Request(
+            f"{key}/{s.segments}",
+            s.prompt_ids + s.response_ids,
+            cfg.max_response_len - len(s.response_ids),
+            SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k),
+            cfg.stop_token_ids,
+            sample_key=key,
+            shared_prefix_len=len(s.prompt_ids),
+        )  # the group's members prefill their prompt once
 
     def _absorb(self, s: Sample, r: Result, prompt: PromptRecord) -> None:
         s.response_ids += r.token_ids
@@ -207,8 +213,9 @@ class April:
             self.seen["tokens"] += L
             self.seen["ctx"] += L * P + L * (L - 1) // 2
 
-    def _metrics(self, groups: list[Group], version: int, m: dict, engine: EngineProtocol, t0: float,
-                 s0: EngineStats) -> dict:
+    def _metrics(
+        self, groups: list[Group], version: int, m: dict, engine: EngineProtocol, t0: float, s0: EngineStats
+    ) -> dict:
         samples = [s for g in groups for s in g.samples]
         lengths = np.array([len(s.response_ids) for s in samples] or [0])
         versions = np.concatenate([np.asarray(s.response_versions) for s in samples] or [np.zeros(0)])
@@ -251,16 +258,22 @@ class April:
             "reward/mean": float(rewards.mean()),
             # groups whose rewards are all equal (no advantage signal): filtered ones with dynamic
             # sampling, otherwise the delivered ones that train on nothing
-            "reward/zero_std_groups": m["zero_std_groups"] + sum(len({s.reward for s in g.samples}) == 1
-                                                                 for g in groups),
+            "reward/zero_std_groups": m["zero_std_groups"]
+            + sum(len({s.reward for s in g.samples}) == 1 for g in groups),
             "reward/wait_s": m["reward_wait_s"],
         }
 
     # ---- checkpointing ----
     def state_dict(self) -> dict:
-        return {"buffer": self.buffer.state_dict(), "next_group": self.next_group, "drawn": self.drawn,
-                "dropped": dict(self.dropped), "length_history": dict(self.length_history), "seen": dict(self.seen),
-                "step_time": list(self.step_time)}
+        return {
+            "buffer": self.buffer.state_dict(),
+            "next_group": self.next_group,
+            "drawn": self.drawn,
+            "dropped": dict(self.dropped),
+            "length_history": dict(self.length_history),
+            "seen": dict(self.seen),
+            "step_time": list(self.step_time),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state["buffer"])
@@ -281,9 +294,19 @@ class _StepRollout:
         self.april, self.engine, self.version = april, engine, version
         self.cfg, self.target = april.cfg, april.cfg.rollout_batch_size
         self.t0, self.s0 = engine.now(), engine.stats()
-        self.m = dict(aborted=0, resumed=0, dropped_tokens=0, stale_restarts=0, stale_dropped_groups=0,
-                      zero_std_groups=0, evicted_groups=0, reward_wait_s=0.0, late_start=-1.0, swapped=0,
-                      finish_wait_s=0.0)
+        self.m = dict(
+            aborted=0,
+            resumed=0,
+            dropped_tokens=0,
+            stale_restarts=0,
+            stale_dropped_groups=0,
+            zero_std_groups=0,
+            evicted_groups=0,
+            reward_wait_s=0.0,
+            late_start=-1.0,
+            swapped=0,
+            finish_wait_s=0.0,
+        )
         self.delivered: list[Group] = []
         self.surplus: list[Group] = []  # finished beyond the target: they wait in the buffer
         self.inflight: dict[str, Group] = {}
@@ -338,8 +361,11 @@ class _StepRollout:
             return
         wait_start = engine.now()
         deadline = engine.stats().decode_steps + self.cfg.finish_wait * april.step_time[0] / april.step_time[1]
-        while (engine.has_unfinished() and engine.stats().decode_steps < deadline
-               and any(april._at_risk(s, self.version) for s in self.requests.values())):
+        while (
+            engine.has_unfinished()
+            and engine.stats().decode_steps < deadline
+            and any(april._at_risk(s, self.version) for s in self.requests.values())
+        ):
             self.pump()
         self.m["finish_wait_s"] = engine.now() - wait_start
 
@@ -372,9 +398,13 @@ class _StepRollout:
     def metrics(self) -> dict:
         m = self.m
         # the largest fraction of the step's groups delivered when a fresh group started (-1: none started)
-        return {**self.april._metrics(self.delivered, self.version, m, self.engine, self.t0, self.s0),
-                "rollout/inflight_limit": self.limit, "rollout/fresh_start_progress_max": m["late_start"],
-                "rollout/finish_wait_s": m["finish_wait_s"], "rollout/swapped_groups": m["swapped"]}
+        return {
+            **self.april._metrics(self.delivered, self.version, m, self.engine, self.t0, self.s0),
+            "rollout/inflight_limit": self.limit,
+            "rollout/fresh_start_progress_max": m["late_start"],
+            "rollout/finish_wait_s": m["finish_wait_s"],
+            "rollout/swapped_groups": m["swapped"],
+        }
 
     # ---- the pieces ----
     def submit(self, groups: list[Group]) -> None:
@@ -406,14 +436,21 @@ class _StepRollout:
         # A buffered group with k unfinished members counts k/n (by default): the engine keeps as
         # many requests in flight as a fresh over-sampled step would (not just 1-2 per long group).
         # Finished groups waiting for their rewards still count.
-        return (len(self.delivered) + sum(self.weight[gid] for gid in self.inflight)
-                + sum(self.weight[gid] for gid in self.scoring) < cfg.over_sampling_batch_size)
+        return (
+            len(self.delivered)
+            + sum(self.weight[gid] for gid in self.inflight)
+            + sum(self.weight[gid] for gid in self.scoring)
+            < cfg.over_sampling_batch_size
+        )
 
     def too_late(self) -> bool:
         """inflight=auto, past the cutoff: a fresh response would have too few steps before its cap;
         one still starts if the groups in flight could not meet the target without it."""
-        return (self.cfg.inflight == "auto" and self.progress() >= self.cfg.late_start_cutoff
-                and len(self.inflight) + len(self.scoring) >= self.target - len(self.delivered))
+        return (
+            self.cfg.inflight == "auto"
+            and self.progress() >= self.cfg.late_start_cutoff
+            and len(self.inflight) + len(self.scoring) >= self.target - len(self.delivered)
+        )
 
     def fresh_groups(self) -> list[Group]:
         out = []

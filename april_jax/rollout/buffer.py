@@ -42,9 +42,12 @@ class PartialBuffer:
 
     def summary(self) -> dict:
         samples = [s for g in self._groups for s in g.samples]
-        return {"groups": len(self._groups), "complete_groups": sum(g.complete for g in self._groups),
-                "partial_samples": sum(1 for s in samples if not s.finished and s.response_ids),
-                "tokens": sum(len(s.response_ids) for s in samples)}
+        return {
+            "groups": len(self._groups),
+            "complete_groups": sum(g.complete for g in self._groups),
+            "partial_samples": sum(1 for s in samples if not s.finished and s.response_ids),
+            "tokens": sum(len(s.response_ids) for s in samples),
+        }
 
     def state_dict(self) -> dict:
         return {"capacity": self.capacity, "groups": [g.to_dict() for g in self._groups]}

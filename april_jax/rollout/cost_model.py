@@ -183,12 +183,26 @@ class Roofline:
         return 6 * self.params * tokens / (gpus * self.peak_flops * self.train_mfu)
 
     def describe(self) -> dict:
-        return {"name": self.name, "pcie_bw": self.pcie_bw, "train_mfu": self.train_mfu, "model": self.model, "params": self.params, "weight_bytes": self.weight_bytes,
-                "kv_bytes_per_token": self.kv_bytes_per_token, "kv_budget_bytes": self.kv_budget_bytes,
-                "kv_budget_tokens": self.kv_budget_tokens, "hbm_bytes": self.hbm_bytes, "hbm_bw": self.hbm_bw,
-                "peak_flops": self.peak_flops, "step_overhead_s": self.step_overhead_s, "bw_eff": self.bw_eff,
-                "flops_eff": self.flops_eff, "mem_util": self.mem_util,
-                "activation_reserve_bytes": self.activation_reserve_bytes, "sync_bw": self.sync_bw}
+        return {
+            "name": self.name,
+            "pcie_bw": self.pcie_bw,
+            "train_mfu": self.train_mfu,
+            "model": self.model,
+            "params": self.params,
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "kv_budget_tokens": self.kv_budget_tokens,
+            "hbm_bytes": self.hbm_bytes,
+            "hbm_bw": self.hbm_bw,
+            "peak_flops": self.peak_flops,
+            "step_overhead_s": self.step_overhead_s,
+            "bw_eff": self.bw_eff,
+            "flops_eff": self.flops_eff,
+            "mem_util": self.mem_util,
+            "activation_reserve_bytes": self.activation_reserve_bytes,
+            "sync_bw": self.sync_bw,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,8 +271,17 @@ def delivered_ctx_sum(prompt_len: int, response_len: int) -> int:
     return response_len * prompt_len + response_len * (response_len - 1) // 2
 
 
-def time_lower_bound_s(cost, *, tokens: int, ctx_sum: int, prompt_lens: list[int], slots: int, replicas: int,
-                       syncs: int = 0, windows: StalenessWindows | None = None) -> float:
+def time_lower_bound_s(
+    cost,
+    *,
+    tokens: int,
+    ctx_sum: int,
+    prompt_lens: list[int],
+    slots: int,
+    replicas: int,
+    syncs: int = 0,
+    windows: StalenessWindows | None = None,
+) -> float:
     """Least engine time in which `replicas` replicas can decode `tokens` tokens whose contexts sum to
     `ctx_sum`, prefill each prompt (one per group: `prompt_lens`) once, and do `syncs` weight syncs, under `cost`.
 
@@ -332,13 +355,13 @@ def staleness_bound_steps(cost, w: StalenessWindows, S: float, mu=None):
     c0 = cost.step_overhead_s + matmul_params(cost.cfg)[1] * cost.dtype_bytes / bw
     c1 = cost.kv_bytes_per_token / bw
     a = w.tokens * c0
-    A = c1 * w.sqrt_ctx ** 2
+    A = c1 * w.sqrt_ctx**2
     e = w.ctx / cost.kv_budget_tokens
     if mu is None:
         mu = _slopes(w, np.full(w.steps, S / w.steps), a, A, e, c1)
     # min over W > a of max(A / (W - a), e) + mu W: at W = a + sqrt(A / mu) while that is left of
     # the kink a + A / e, else at the kink
-    steep = mu * A >= e ** 2
+    steep = mu * A >= e**2
     g = np.where(steep, 2 * np.sqrt(A * mu) + mu * a, e + mu * (a + A / e))
     cover = np.zeros(w.steps + 1)
     np.add.at(cover, w.first, mu)
@@ -366,7 +389,7 @@ def best_multipliers(cost, w: StalenessWindows, S: float, iters: int = 300):
     bw = cost.hbm_bw * cost.bw_eff
     c0 = cost.step_overhead_s + matmul_params(cost.cfg)[1] * cost.dtype_bytes / bw
     c1 = cost.kv_bytes_per_token / bw
-    a, A, e = w.tokens * c0, c1 * w.sqrt_ctx ** 2, w.ctx / cost.kv_budget_tokens
+    a, A, e = w.tokens * c0, c1 * w.sqrt_ctx**2, w.ctx / cost.kv_budget_tokens
     T = np.full(w.steps, S / w.steps)
     best, best_mu = -np.inf, None
     for _ in range(iters):

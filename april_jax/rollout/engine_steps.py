@@ -32,8 +32,22 @@ from april_jax.rollout import sampling
 TRACES: collections.Counter = collections.Counter()
 
 
-def prefill(graphdef, state, cache: KVCache, next_token_S, slots_M, source_M, tokens_NT, lengths_N, temperature_M,
-            top_p_M, top_k_M, seeds_M, *, mode):
+def prefill(
+    graphdef,
+    state,
+    cache: KVCache,
+    next_token_S,
+    slots_M,
+    source_M,
+    tokens_NT,
+    lengths_N,
+    temperature_M,
+    top_p_M,
+    top_k_M,
+    seeds_M,
+    *,
+    mode,
+):
     """Prefill N distinct prompts once and start M requests from them: request m takes prompt
     `source_M[m]`'s KV rows into slot `slots_M[m]` and samples its first token with its own key.
     Padding requests carry slot index = #slots and are dropped. The first tokens also go into
@@ -51,8 +65,22 @@ def prefill(graphdef, state, cache: KVCache, next_token_S, slots_M, source_M, to
     return cache.put_rows(slots_M, fresh_M), tokens_M, logprobs_M, next_token_S
 
 
-def extend(graphdef, state, cache: KVCache, next_token_S, rows_M, tokens_MT, lengths_M, temperature_M, top_p_M,
-           top_k_M, seeds_M, *, mode, num_positions):
+def extend(
+    graphdef,
+    state,
+    cache: KVCache,
+    next_token_S,
+    rows_M,
+    tokens_MT,
+    lengths_M,
+    temperature_M,
+    top_p_M,
+    top_k_M,
+    seeds_M,
+    *,
+    mode,
+    num_positions,
+):
     """Rows `rows_M` hold a prefix; append `lengths_M` tokens of `tokens_MT` (right-padded) to each
     and sample the first new token after them. Padding rows carry row index = #slots."""
     TRACES["extend"] += 1
@@ -67,8 +95,27 @@ def extend(graphdef, state, cache: KVCache, next_token_S, rows_M, tokens_MT, len
     return cache, tokens_M, logprobs_M, next_token_S.at[rows_M].set(tokens_M, mode="drop")
 
 
-def decode(graphdef, state, cache: KVCache, next_token_S, rows_B, active_B, temperature_B, top_p_B, top_k_B, seeds_B,
-           steps_B, limits_B, stop_ids_BP, max_steps, *, mode, num_positions, steps_per_call, in_place=False):
+def decode(
+    graphdef,
+    state,
+    cache: KVCache,
+    next_token_S,
+    rows_B,
+    active_B,
+    temperature_B,
+    top_p_B,
+    top_k_B,
+    seeds_B,
+    steps_B,
+    limits_B,
+    stop_ids_BP,
+    max_steps,
+    *,
+    mode,
+    num_positions,
+    steps_per_call,
+    in_place=False,
+):
     """Up to `max_steps` (<= steps_per_call) decode steps for rows `rows_B` of the cache. A row
     stops (and its cache stops growing) after a stop token or when its token count reaches
     `limits_B`. Outputs are [steps_per_call, B] tokens, logprobs and whether the row was active
@@ -97,7 +144,8 @@ def decode(graphdef, state, cache: KVCache, next_token_S, rows_B, active_B, temp
         return k + 1, small, jnp.where(active_B, new_B, tokens_B), active_B & ~done_B, steps_B, outputs
 
     _, small, *_, (tokens_KB, logprobs_KB, active_KB) = jax.lax.while_loop(
-        more, one_step, (jnp.int32(0), small, tokens_B, active_B, steps_B, outputs))
+        more, one_step, (jnp.int32(0), small, tokens_B, active_B, steps_B, outputs)
+    )
     cache = small if in_place else cache.put_new_positions(rows_B, small, start_B, K)
     return cache, tokens_KB, logprobs_KB, active_KB
 
@@ -112,9 +160,12 @@ class Programs(NamedTuple):
 def compiled(graphdef) -> Programs:
     """The programs jitted with `graphdef` closed over (hashing a graphdef per call costs ms) and
     the cache donated."""
-    jit = lambda f, *static: jax.jit(partial(f, graphdef), static_argnames=("mode", *static),
-                                     donate_argnames=("cache",))
-    return Programs(jit(prefill), jit(extend, "num_positions"), jit(decode, "num_positions", "steps_per_call", "in_place"))
+    jit = lambda f, *static: jax.jit(
+        partial(f, graphdef), static_argnames=("mode", *static), donate_argnames=("cache",)
+    )
+    return Programs(
+        jit(prefill), jit(extend, "num_positions"), jit(decode, "num_positions", "steps_per_call", "in_place")
+    )
 
 
 def pow2_at_least(n: int, cap: int | None = None) -> int:

@@ -104,16 +104,33 @@ def merge_buckets(by_bucket: dict[int, list], rows, padding_budget: int) -> dict
 
 
 class JaxEngine(PollingEngine):
-    def __init__(self, model: Qwen3, *, max_num_seqs: int = 16, max_model_len: int = 1024, seed: int = 0,
-                 policy_version: int = 0, cache_dtype=None, min_prefill_batch: int = 1, decode_steps_per_call: int = 8,
-                 reuse_aborted_kv: bool = False, samples_per_prompt: int = 1, free_kv_in_sleep: bool = True,
-                 compact_decode: bool = True, timeline_points: int = TIMELINE_POINTS,
-                 merge_padding_tokens: int = 0, hold_aborted_kv: bool = False, smallest_prefill_bucket: int = 16):
+    def __init__(
+        self,
+        model: Qwen3,
+        *,
+        max_num_seqs: int = 16,
+        max_model_len: int = 1024,
+        seed: int = 0,
+        policy_version: int = 0,
+        cache_dtype=None,
+        min_prefill_batch: int = 1,
+        decode_steps_per_call: int = 8,
+        reuse_aborted_kv: bool = False,
+        samples_per_prompt: int = 1,
+        free_kv_in_sleep: bool = True,
+        compact_decode: bool = True,
+        timeline_points: int = TIMELINE_POINTS,
+        merge_padding_tokens: int = 0,
+        hold_aborted_kv: bool = False,
+        smallest_prefill_bucket: int = 16,
+    ):
         if reuse_aborted_kv and hold_aborted_kv:
             raise ValueError("JaxEngine: reuse_aborted_kv and hold_aborted_kv are two ways of the same thing; pick one")
         if max_num_seqs <= 0 or max_model_len <= 1 or decode_steps_per_call <= 0:
-            raise ValueError(f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
-                             f"decode_steps_per_call={decode_steps_per_call} must be positive")
+            raise ValueError(
+                f"JaxEngine: max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
+                f"decode_steps_per_call={decode_steps_per_call} must be positive"
+            )
         self.graphdef, self._state = nnx.split(model)
         self._programs = engine_steps.compiled(self.graphdef)
         self.cfg = model.cfg
@@ -139,8 +156,9 @@ class JaxEngine(PollingEngine):
         # Decode runs over the busy slots only, in a power-of-two batch bucket and a cache length
         # bucket; `compact_decode=False` runs every slot over the whole row (the reference path).
         self.compact_decode = compact_decode
-        self.length_buckets = length_buckets(max_model_len, SMALLEST_LENGTH_BUCKET) if compact_decode \
-            else (max_model_len,)
+        self.length_buckets = (
+            length_buckets(max_model_len, SMALLEST_LENGTH_BUCKET) if compact_decode else (max_model_len,)
+        )
         self.policy_version = policy_version
         self._cache = KVCache.zeros(self.cfg, max_num_seqs, max_model_len, cache_dtype or default_cache_dtype(self.cfg))
         self._cache_dtype = self._cache.v[0].dtype
@@ -149,14 +167,17 @@ class JaxEngine(PollingEngine):
         self._asleep = False
         # Opt-in: aborted rows wait in a side cache and a resume of exactly their tokens skips the
         # re-prefill (see kv_park.py for what that trades).
-        self._parking = KVParking(self.cfg, max_num_seqs, max_model_len, self._cache_dtype) \
-            if reuse_aborted_kv else None
+        self._parking = (
+            KVParking(self.cfg, max_num_seqs, max_model_len, self._cache_dtype) if reuse_aborted_kv else None
+        )
         # Opt-in: an aborted row stays in its slot, held until a request with exactly its tokens
         # resumes it there (no device call at all) or its slot is needed (oldest first). Held rows
         # are lost when `sleep` frees the cache.
         self.hold_aborted_kv = hold_aborted_kv
         self._held: dict[tuple, list[int]] = {}  # tokens -> the slots holding them (identical partials: several)
-        self._held_order: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # slot -> tokens, oldest first
+        self._held_order: collections.OrderedDict[int, tuple] = (
+            collections.OrderedDict()
+        )  # slot -> tokens, oldest first
         self._held_mask = np.zeros(max_num_seqs, bool)
         self._slots = Slots(max_num_seqs, max_model_len)
         self._queue: collections.deque[tuple[Request, int]] = collections.deque()
@@ -238,8 +259,9 @@ class JaxEngine(PollingEngine):
         if params is None:
             raise TypeError("JaxEngine.update_weights: params is None (pass the policy's nnx.State or model)")
         state = nnx.state(params) if isinstance(params, nnx.Module) else params
-        state = jax.tree.map(lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
-                             state, self._state)
+        state = jax.tree.map(
+            lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype), state, self._state
+        )
         self._state = state
         self.policy_version = int(version)
 
@@ -254,27 +276,64 @@ class JaxEngine(PollingEngine):
                     z = np.zeros(rows, np.int32)
                     for prompts in self._prefill_row_counts(rows):
                         self._cache, *_ = P.prefill(
-                            self._state, self._cache, jnp.zeros(S, jnp.int32), jnp.full(rows, S, jnp.int32),
-                            jnp.arange(rows, dtype=jnp.int32) % prompts, jnp.zeros((prompts, bucket), jnp.int32),
-                            jnp.ones(prompts, jnp.int32), jnp.asarray(z, jnp.float32), jnp.ones(rows, jnp.float32),
-                            jnp.asarray(z), jnp.asarray(z), mode=mode)
+                            self._state,
+                            self._cache,
+                            jnp.zeros(S, jnp.int32),
+                            jnp.full(rows, S, jnp.int32),
+                            jnp.arange(rows, dtype=jnp.int32) % prompts,
+                            jnp.zeros((prompts, bucket), jnp.int32),
+                            jnp.ones(prompts, jnp.int32),
+                            jnp.asarray(z, jnp.float32),
+                            jnp.ones(rows, jnp.float32),
+                            jnp.asarray(z),
+                            jnp.asarray(z),
+                            mode=mode,
+                        )
             # static arguments spelled as `_decode_step` passes them: a keyword left to its default is
             # another jit cache key, and the first real call would trace the program again
             for rows in sorted({self._rows_bucket(n) for n in range(1, S + 1)}):
                 z = np.zeros(rows, np.int32)
                 for length in self.length_buckets:
                     self._cache, *_ = P.decode(
-                        self._state, self._cache, jnp.zeros(S, jnp.int32), np.full(rows, S, np.int32),
-                        np.zeros(rows, bool), z.astype(np.float32), np.ones(rows, np.float32), z, z, z, z,
-                        np.full((rows, self._slots.stop_ids.shape[1]), -1, np.int32), np.int32(1), mode=mode,
-                        num_positions=length, steps_per_call=self.decode_steps_per_call, in_place=False)
+                        self._state,
+                        self._cache,
+                        jnp.zeros(S, jnp.int32),
+                        np.full(rows, S, np.int32),
+                        np.zeros(rows, bool),
+                        z.astype(np.float32),
+                        np.ones(rows, np.float32),
+                        z,
+                        z,
+                        z,
+                        z,
+                        np.full((rows, self._slots.stop_ids.shape[1]), -1, np.int32),
+                        np.int32(1),
+                        mode=mode,
+                        num_positions=length,
+                        steps_per_call=self.decode_steps_per_call,
+                        in_place=False,
+                    )
             if self.compact_decode:  # every slot busy: the in-place program (see _decode_step)
                 z = np.zeros(S, np.int32)
                 self._cache, *_ = P.decode(
-                    self._state, self._cache, jnp.zeros(S, jnp.int32), np.arange(S, dtype=np.int32), np.zeros(S, bool),
-                    z.astype(np.float32), np.ones(S, np.float32), z, z, z, z,
-                    np.full((S, self._slots.stop_ids.shape[1]), -1, np.int32), np.int32(1), mode=mode,
-                    num_positions=self.max_model_len, steps_per_call=self.decode_steps_per_call, in_place=True)
+                    self._state,
+                    self._cache,
+                    jnp.zeros(S, jnp.int32),
+                    np.arange(S, dtype=np.int32),
+                    np.zeros(S, bool),
+                    z.astype(np.float32),
+                    np.ones(S, np.float32),
+                    z,
+                    z,
+                    z,
+                    z,
+                    np.full((S, self._slots.stop_ids.shape[1]), -1, np.int32),
+                    np.int32(1),
+                    mode=mode,
+                    num_positions=self.max_model_len,
+                    steps_per_call=self.decode_steps_per_call,
+                    in_place=True,
+                )
         self._cache = self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32))
 
     def sleep(self) -> None:
@@ -309,15 +368,28 @@ class JaxEngine(PollingEngine):
     def stats(self) -> JaxEngineStats:
         s = self._stats
         return JaxEngineStats(
-            slots=self.max_num_seqs, busy_slots=len(self._slots.slot_of), queued=len(self._queue),
-            tokens_generated=s["tokens_generated"], prefill_tokens=s["prefill_tokens"],
-            decode_steps=s["decode_steps"], busy_slot_steps=s["busy_slot_steps"], aborted=s["aborted"],
-            errors=s["errors"], policy_version=self.policy_version, model_s=s["model_s"],
+            slots=self.max_num_seqs,
+            busy_slots=len(self._slots.slot_of),
+            queued=len(self._queue),
+            tokens_generated=s["tokens_generated"],
+            prefill_tokens=s["prefill_tokens"],
+            decode_steps=s["decode_steps"],
+            busy_slot_steps=s["busy_slot_steps"],
+            aborted=s["aborted"],
+            errors=s["errors"],
+            policy_version=self.policy_version,
+            model_s=s["model_s"],
             model_calls=s["model_calls"],
-            decode_calls=s["decode_calls"], computed_slot_steps=s["computed_slot_steps"], engine_s=s["engine_s"],
+            decode_calls=s["decode_calls"],
+            computed_slot_steps=s["computed_slot_steps"],
+            engine_s=s["engine_s"],
             host_s=s["engine_s"] - s["model_s"],
             kv_cache_bytes=0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
-            **{f"kv_{name}": getattr(self._parking, name, 0) + s[f"kv_{name}"] for name in ("parked", "reused", "evicted")})
+            **{
+                f"kv_{name}": getattr(self._parking, name, 0) + s[f"kv_{name}"]
+                for name in ("parked", "reused", "evicted")
+            },
+        )
 
     def rng_state(self) -> dict:
         """The request-seed generator's state (JSON-able); a checkpoint keeps it for a bit-identical resume."""
@@ -400,8 +472,17 @@ class JaxEngine(PollingEngine):
             # Host arrays go to the jitted call as numpy: its C++ path transfers them ~5x faster
             # than jnp.asarray.
             self._cache, first, logprobs, self._next_token_dev = self._device(
-                self._programs.prefill, self._state, self._cache, self._next_tokens(), slot_M, source, tokens,
-                lengths, *args, mode=sampling.batch_mode(*args[:3]))
+                self._programs.prefill,
+                self._state,
+                self._cache,
+                self._next_tokens(),
+                slot_M,
+                source,
+                tokens,
+                lengths,
+                *args,
+                mode=sampling.batch_mode(*args[:3]),
+            )
             if whole:
                 self._pending.append((slot_M[:whole], first, logprobs))
         # One extend call per suffix bucket: a call computes rows x its longest suffix, so resumed
@@ -423,8 +504,17 @@ class JaxEngine(PollingEngine):
         num_positions = bucket_for(max(len(request.prompt_ids) for _, request, _, _ in items), self.length_buckets)
         args = self._sampling_args(slot_M[: len(items)], rows)
         self._cache, first, logprobs, self._next_token_dev = self._device(
-            self._programs.extend, self._state, self._cache, self._next_tokens(), slot_M, tokens, lengths, *args,
-            mode=sampling.batch_mode(*args[:3]), num_positions=num_positions)
+            self._programs.extend,
+            self._state,
+            self._cache,
+            self._next_tokens(),
+            slot_M,
+            tokens,
+            lengths,
+            *args,
+            mode=sampling.batch_mode(*args[:3]),
+            num_positions=num_positions,
+        )
         self._pending.append((slot_M[: len(items)], first, logprobs))
 
     def _device(self, program, *args, **kw):
@@ -546,13 +636,29 @@ class JaxEngine(PollingEngine):
             rows_B = pick = np.arange(S, dtype=np.int32)
             active_B = s.active.copy()
             num_positions = self.max_model_len
-        args = [s.temperature[pick], s.top_p[pick], s.top_k[pick], s.seeds[pick], s.steps[pick], s.limits[pick],
-                s.stop_ids[pick]]
+        args = [
+            s.temperature[pick],
+            s.top_p[pick],
+            s.top_k[pick],
+            s.seeds[pick],
+            s.steps[pick],
+            s.limits[pick],
+            s.stop_ids[pick],
+        ]
         t0 = self.now()
         self._cache, tokens, logprobs, was_active = self._programs.decode(
-            self._state, self._cache, self._next_tokens(), rows_B, active_B, *args, np.int32(max_steps),
-            mode=sampling.batch_mode(s.temperature[busy], s.top_p[busy], s.top_k[busy]), num_positions=num_positions,
-            steps_per_call=self.decode_steps_per_call, in_place=in_place)
+            self._state,
+            self._cache,
+            self._next_tokens(),
+            rows_B,
+            active_B,
+            *args,
+            np.int32(max_steps),
+            mode=sampling.batch_mode(s.temperature[busy], s.top_p[busy], s.top_k[busy]),
+            num_positions=num_positions,
+            steps_per_call=self.decode_steps_per_call,
+            in_place=in_place,
+        )
         self._next_token_dev = None
         host = time.perf_counter()
         waited = self._read_first_tokens(finished)  # a first token may end its request: its decode rows are dropped

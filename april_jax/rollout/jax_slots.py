@@ -74,8 +74,13 @@ class Slots:
 
     def result(self, i: int, reason: str) -> Result:
         n = int(self.steps[i])
-        return Result(self.requests[i].request_id, self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist(),
-                      self.versions[i, :n].tolist(), reason)
+        return Result(
+            self.requests[i].request_id,
+            self.tokens[i, :n].tolist(),
+            self.logprobs[i, :n].tolist(),
+            self.versions[i, :n].tolist(),
+            reason,
+        )
 
     def token_ids(self, i: int) -> tuple[int, ...]:
         """Prompt + generated ids of slot i (the key its KV row is parked under)."""

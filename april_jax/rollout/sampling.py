@@ -66,8 +66,9 @@ def _inverse_cdf_draw(logw_BV, shift_B, u_B):
     # Rounding can put the target at the total: take the last block with mass.
     last_block_B = block_cdf_BN.shape[-1] - 1 - jnp.argmax(block_mass_BN[:, ::-1] > 0, axis=-1)
     block_B = jnp.minimum(jnp.sum(block_cdf_BN <= target_B[:, None], axis=-1), last_block_B)
-    before_B = jnp.where(block_B > 0, jnp.take_along_axis(block_cdf_BN, jnp.maximum(block_B - 1, 0)[:, None],
-                                                          axis=-1)[:, 0], 0.0)
+    before_B = jnp.where(
+        block_B > 0, jnp.take_along_axis(block_cdf_BN, jnp.maximum(block_B - 1, 0)[:, None], axis=-1)[:, 0], 0.0
+    )
     inside_BC = jnp.take_along_axis(logw_BNC, block_B[:, None, None], axis=1)[:, 0]
     inside_cdf_BC = before_B[:, None] + jnp.cumsum(jnp.exp(inside_BC - shift_B[:, None]), axis=-1)
     # Likewise inside the block (its cdf is summed apart from the block masses).

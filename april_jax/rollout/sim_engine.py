@@ -121,14 +121,30 @@ class SimEngineStats(EngineStats):
 
 
 class SimEngine(PollingEngine):
-    def __init__(self, *, slots: int = 256, t0: float | None = None, c: float = 0.0, prefill_s_per_token: float = 0.00073,
-                 length_scale: float = 1.0, seed: int = 0, max_model_len: int = 1 << 20, policy_version: int = 0,
-                 reuse_aborted_kv: bool = True, cost=None, deployment: str = "colocated"):
+    def __init__(
+        self,
+        *,
+        slots: int = 256,
+        t0: float | None = None,
+        c: float = 0.0,
+        prefill_s_per_token: float = 0.00073,
+        length_scale: float = 1.0,
+        seed: int = 0,
+        max_model_len: int = 1 << 20,
+        policy_version: int = 0,
+        reuse_aborted_kv: bool = True,
+        cost=None,
+        deployment: str = "colocated",
+    ):
         if deployment not in DEPLOYMENTS:
             raise ValueError(f"--deployment {deployment!r}: unknown; choose from {', '.join(DEPLOYMENTS)}")
         self.deployment = deployment
         self.max_num_seqs = slots
-        self.cost = cost if cost is not None else LinearCPU(0.010 + 0.00094 * slots if t0 is None else t0, c, prefill_s_per_token)
+        self.cost = (
+            cost
+            if cost is not None
+            else LinearCPU(0.010 + 0.00094 * slots if t0 is None else t0, c, prefill_s_per_token)
+        )
         self.budget = self.kv_budget_tokens = self.cost.kv_budget_tokens  # KV tokens (inf for the CPU model)
         self.length_scale, self.seed, self.max_model_len = length_scale, seed, max_model_len
         self.policy_version = policy_version
@@ -214,15 +230,29 @@ class SimEngine(PollingEngine):
     def stats(self) -> SimEngineStats:
         s = self._stats
         return SimEngineStats(
-            slots=self.max_num_seqs, busy_slots=len(self.running), queued=len(self.queue),
-            tokens_generated=s["tokens_generated"], prefill_tokens=s["prefill_tokens"],
-            decode_steps=s["decode_steps"], busy_slot_steps=s["busy_slot_steps"], aborted=s["aborted"],
-            errors=s["errors"], policy_version=self.policy_version, clock_s=self._clock,
-            prefill_time_s=s["prefill_time_s"], abort_time_s=s["abort_time_s"], sync_time_s=s["sync_time_s"],
-            preempted=s["preempted"], kv_reused=s["kv_reused"], parked_dropped=s["parked_dropped"],
-            kv_tokens_peak=s["kv_tokens_peak"], kv_bytes_peak=s["kv_tokens_peak"] * self.cost.kv_bytes_per_token,
-            parked_tokens=sum(self.parked.values()), sleep_time_s=s["sleep_time_s"],
-            kv_lost_in_sleep=s["kv_lost_in_sleep"])
+            slots=self.max_num_seqs,
+            busy_slots=len(self.running),
+            queued=len(self.queue),
+            tokens_generated=s["tokens_generated"],
+            prefill_tokens=s["prefill_tokens"],
+            decode_steps=s["decode_steps"],
+            busy_slot_steps=s["busy_slot_steps"],
+            aborted=s["aborted"],
+            errors=s["errors"],
+            policy_version=self.policy_version,
+            clock_s=self._clock,
+            prefill_time_s=s["prefill_time_s"],
+            abort_time_s=s["abort_time_s"],
+            sync_time_s=s["sync_time_s"],
+            preempted=s["preempted"],
+            kv_reused=s["kv_reused"],
+            parked_dropped=s["parked_dropped"],
+            kv_tokens_peak=s["kv_tokens_peak"],
+            kv_bytes_peak=s["kv_tokens_peak"] * self.cost.kv_bytes_per_token,
+            parked_tokens=sum(self.parked.values()),
+            sleep_time_s=s["sleep_time_s"],
+            kv_lost_in_sleep=s["kv_lost_in_sleep"],
+        )
 
     def limit_tokens_per_s(self) -> float:
         """Throughput with every slot busy decoding (no prefill), for the CPU model; the roofline
@@ -268,8 +298,16 @@ class SimEngine(PollingEngine):
                 if not self.running:  # can never fit: an error, not a hang
                     self.queue.popleft()
                     self._stats["errors"] += 1
-                    self._ready.append(Result(s.request.request_id, [], [], [], "error",
-                                              f"request {s.request.request_id!r}: context {s.ctx} exceeds the KV budget {self.budget}"))
+                    self._ready.append(
+                        Result(
+                            s.request.request_id,
+                            [],
+                            [],
+                            [],
+                            "error",
+                            f"request {s.request.request_id!r}: context {s.ctx} exceeds the KV budget {self.budget}",
+                        )
+                    )
                     continue
                 break
             self.queue.popleft()
@@ -334,7 +372,13 @@ class SimEngine(PollingEngine):
         for s in self.running:
             s.generated += steps
             self._progress[s.key] = self._progress.get(s.key, 0) + steps
-            reason = "stop" if s.generated >= s.remaining_total else "length" if s.generated >= s.request.max_new_tokens else None
+            reason = (
+                "stop"
+                if s.generated >= s.remaining_total
+                else "length"
+                if s.generated >= s.request.max_new_tokens
+                else None
+            )
             if reason:
                 self._ready.append(s.result(reason, s.request.stop_token_ids[0] if s.request.stop_token_ids else None))
                 self.running_ctx -= s.ctx

@@ -117,12 +117,22 @@ class SimReplicas(PollingEngine):
     def stats(self) -> SimEngineStats:
         """Counters summed over the replicas; `slots` is one replica's, peaks the largest replica's."""
         per = [r.stats() for r in self.replicas]
-        summed = {f.name: sum(getattr(p, f.name) for p in per) for f in dataclasses.fields(SimEngineStats)
-                  if f.name not in ("model_s", "model_calls", "slots", "policy_version", "clock_s", "kv_tokens_peak",
-                                    "kv_bytes_peak")}
-        return SimEngineStats(**{**summed, "slots": self.max_num_seqs, "policy_version": self.policy_version,
-                                 "clock_s": self._now, "kv_tokens_peak": max(p.kv_tokens_peak for p in per),
-                                 "kv_bytes_peak": max(p.kv_bytes_peak for p in per)})
+        summed = {
+            f.name: sum(getattr(p, f.name) for p in per)
+            for f in dataclasses.fields(SimEngineStats)
+            if f.name
+            not in ("model_s", "model_calls", "slots", "policy_version", "clock_s", "kv_tokens_peak", "kv_bytes_peak")
+        }
+        return SimEngineStats(
+            **{
+                **summed,
+                "slots": self.max_num_seqs,
+                "policy_version": self.policy_version,
+                "clock_s": self._now,
+                "kv_tokens_peak": max(p.kv_tokens_peak for p in per),
+                "kv_bytes_peak": max(p.kv_bytes_peak for p in per),
+            }
+        )
 
     def shutdown(self) -> None:
         self.abort_all()

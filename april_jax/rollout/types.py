@@ -46,8 +46,10 @@ class Request:
         if len(self.prompt_ids) == 0:
             return f"request {self.request_id!r}: empty prompt"
         if len(self.prompt_ids) >= max_model_len:
-            return (f"request {self.request_id!r}: prompt of {len(self.prompt_ids)} tokens leaves no room "
-                    f"within max_model_len={max_model_len}")
+            return (
+                f"request {self.request_id!r}: prompt of {len(self.prompt_ids)} tokens leaves no room "
+                f"within max_model_len={max_model_len}"
+            )
         if self.max_new_tokens <= 0:
             return f"request {self.request_id!r}: max_new_tokens must be > 0, got {self.max_new_tokens}"
         s = self.sampling
@@ -121,4 +123,3 @@ class Group:
     @classmethod
     def from_dict(cls, d: dict) -> Group:
         return cls(d["group_id"], PromptRecord(**d["prompt"]), [Sample(**s) for s in d["samples"]])
-

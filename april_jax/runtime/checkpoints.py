@@ -24,8 +24,16 @@ INT_META_KEYS = ("step", "version", "skipped_steps")
 # (n_samples_per_prompt) and the prompts' tokens (task). The model's shapes are compared on its
 # Hugging Face config, whatever set them (model.arch, model.tiny.*, model.path).
 SHAPE_KEYS = ("rollout.n_samples_per_prompt", "data.task")
-MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "tie_word_embeddings")
+MODEL_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
 
 
 def meta_problem(meta) -> str | None:
@@ -59,7 +67,9 @@ def shape_changes(meta: dict, config: dict, model_config: dict) -> list[str]:
 
 def _abstract(tree, shardings=None):
     if shardings is None:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree
+        )
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
@@ -113,8 +123,9 @@ class Checkpointer:
             sys.unraisablehook = _quiet_unraisable_hook(sys.unraisablehook)
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("params", "opt_state", "meta"))
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("params", "opt_state", "meta")
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -133,7 +144,8 @@ class Checkpointer:
             if changed:
                 raise CheckpointError(
                     f"{self.directory / str(step)} was written by a run with other shapes ({'; '.join(changed)}): "
-                    f"resume with the checkpoint's values, or start a new run in another --config.workdir")
+                    f"resume with the checkpoint's values, or start a new run in another --config.workdir"
+                )
             return
 
     def restore_latest(self, params_like, opt_state_like, param_shardings=None, opt_shardings=None, log=print):
@@ -148,7 +160,9 @@ class Checkpointer:
         bad: list[tuple[int, str]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                params, opt_state, meta = self.restore(step, params_like, opt_state_like, param_shardings, opt_shardings)
+                params, opt_state, meta = self.restore(
+                    step, params_like, opt_state_like, param_shardings, opt_shardings
+                )
                 problem = meta_problem(meta)
                 if problem:
                     raise CheckpointError(problem)
@@ -160,15 +174,19 @@ class Checkpointer:
             if bad and distributed.is_main():  # several processes share the directory: one moves
                 for bad_step, why in bad:
                     moved = self._set_aside(bad_step)
-                    log(f"warning: checkpoint {self.directory / str(bad_step)} is unreadable ({why}); moved to "
-                        f"{moved}; resuming from step {step}")
+                    log(
+                        f"warning: checkpoint {self.directory / str(bad_step)} is unreadable ({why}); moved to "
+                        f"{moved}; resuming from step {step}"
+                    )
             if bad:
                 distributed.barrier("checkpoints set aside")
                 self.manager.reload()
             return step, params, opt_state, meta
         if bad:
-            raise CheckpointError(f"{self.directory / str(bad[0][0])}: cannot restore ({bad[0][1]}) and no older "
-                                  f"checkpoint restores either")
+            raise CheckpointError(
+                f"{self.directory / str(bad[0][0])}: cannot restore ({bad[0][1]}) and no older "
+                f"checkpoint restores either"
+            )
         return None
 
     def _set_aside(self, step: int) -> Path:
@@ -184,9 +202,14 @@ class Checkpointer:
     def save(self, step: int, params, opt_state, meta: dict) -> None:
         if not all_finite(params) or not all_finite(opt_state):  # never replace good checkpoints by NaNs
             raise CheckpointError(f"refusing to save checkpoint {step}: non-finite parameters or optimiser state")
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta)))
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+                meta=ocp.args.JsonSave(meta),
+            ),
+        )
 
     def write_now(self, meta: dict | None, params, opt_state, written: int | None):
         """Write the checkpoint of `meta["step"]` unless that is `written` (the step saved last) and wait
@@ -200,10 +223,14 @@ class Checkpointer:
 
     def restore(self, step: int, params_like, opt_state_like, param_shardings=None, opt_shardings=None):
         """(params, opt_state, meta), placed like `*_like` (or on the given shardings)."""
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(params_like, param_shardings)),
-            opt_state=ocp.args.StandardRestore(_abstract(opt_state_like, opt_shardings)),
-            meta=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(_abstract(params_like, param_shardings)),
+                opt_state=ocp.args.StandardRestore(_abstract(opt_state_like, opt_shardings)),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
         return out["params"], out["opt_state"], out["meta"]
 
     def close(self) -> None:
@@ -214,7 +241,9 @@ class Checkpointer:
 def all_finite(tree) -> bool:
     """True if every float leaf of `tree` is finite (one reduction per leaf, on device)."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves)) if leaves else True
+    return (
+        bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves)) if leaves else True
+    )
 
 
 def _first_line(e: BaseException) -> str:

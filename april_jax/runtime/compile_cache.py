@@ -39,8 +39,10 @@ def enable(directory: str) -> str | None:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
         source = "JAX_COMPILATION_CACHE_DIR" if env_path else "train.compile_cache_dir"
-        raise ConfigError(f"{source}={path!r}: cannot make the compilation cache folder ({e.strerror}); name a "
-                          f"writable folder, or set train.compile_cache_dir= (empty) to turn the cache off") from None
+        raise ConfigError(
+            f"{source}={path!r}: cannot make the compilation cache folder ({e.strerror}); name a "
+            f"writable folder, or set train.compile_cache_dir= (empty) to turn the cache off"
+        ) from None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:

@@ -18,8 +18,11 @@ import threading
 
 from jax import monitoring
 
-_PHASES = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-           "/jax/core/compile/backend_compile_duration")
+_PHASES = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
 _lock = threading.Lock()
 _total = 0.0
 _recent: list[tuple[float, float]] = []  # spans counted lately, for nested ones to be subtracted

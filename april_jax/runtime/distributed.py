@@ -124,8 +124,11 @@ class StopSignal:
             self.signum = signum
             return
         # os.write: safe in a handler that may have interrupted a print
-        os.write(2, f"{signal.Signals(signum).name} again: still writing the checkpoint; SIGKILL stops at once "
-                    f"(the last checkpoint stays intact)\n".encode())
+        os.write(
+            2,
+            f"{signal.Signals(signum).name} again: still writing the checkpoint; SIGKILL stops at once "
+            f"(the last checkpoint stays intact)\n".encode(),
+        )
 
 
 def requested() -> bool:
@@ -146,15 +149,21 @@ def initialize() -> None:
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         missing = [v for v in ENV_VARS[1:] if not os.environ.get(v)]
         if missing:
-            raise ConfigError(f"JAX_COORDINATOR_ADDRESS is set but not {', '.join(missing)} "
-                              f"(set all of {', '.join(ENV_VARS)}, or use python -m april_jax.cli.launch)")
+            raise ConfigError(
+                f"JAX_COORDINATOR_ADDRESS is set but not {', '.join(missing)} "
+                f"(set all of {', '.join(ENV_VARS)}, or use python -m april_jax.cli.launch)"
+            )
         try:
-            kw = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-                      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                      process_id=int(os.environ["JAX_PROCESS_ID"]))
+            kw = dict(
+                coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                process_id=int(os.environ["JAX_PROCESS_ID"]),
+            )
         except ValueError:
-            raise ConfigError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']!r} and "
-                              f"JAX_PROCESS_ID={os.environ['JAX_PROCESS_ID']!r} must be integers") from None
+            raise ConfigError(
+                f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']!r} and "
+                f"JAX_PROCESS_ID={os.environ['JAX_PROCESS_ID']!r} must be integers"
+            ) from None
         bind = os.environ.get(BIND_VAR) or loopback_bind_address(kw["coordinator_address"])
         if bind:
             kw["coordinator_bind_address"] = bind
@@ -211,13 +220,17 @@ def broadcast_batch(batch: dict | None, extra: dict | None = None) -> tuple[dict
     payload = None
     if is_main():
         arrays = {k: np.ascontiguousarray(v) for k, v in (batch or {}).items() if v is not None}
-        header = {"extra": extra or {}, "none": [k for k, v in (batch or {}).items() if v is None],
-                  "no_batch": batch is None, "arrays": [[k, str(a.dtype), list(a.shape)] for k, a in arrays.items()]}
+        header = {
+            "extra": extra or {},
+            "none": [k for k, v in (batch or {}).items() if v is None],
+            "no_batch": batch is None,
+            "arrays": [[k, str(a.dtype), list(a.shape)] for k, a in arrays.items()],
+        }
         head = json.dumps(header).encode()
         payload = len(head).to_bytes(8, "little") + head + b"".join(a.tobytes() for a in arrays.values())
     data = _broadcast_bytes(payload)
     n = int.from_bytes(data[:8], "little")
-    header, offset, out = json.loads(data[8:8 + n]), 8 + n, {}
+    header, offset, out = json.loads(data[8 : 8 + n]), 8 + n, {}
     if header["no_batch"]:
         return None, header["extra"]
     for name, dtype, shape in header["arrays"]:
@@ -297,8 +310,9 @@ def engine_state(trainer, mesh):
     if not is_main():
         return None
     flat = nnx.to_flat_state(nnx.state(trainer.model(host)))
-    shardings = _nest({p: logical_sharding(v.get_metadata()["logical_axes"], v.get_value().shape, mesh)
-                       for p, v in flat})
+    shardings = _nest(
+        {p: logical_sharding(v.get_metadata()["logical_axes"], v.get_value().shape, mesh) for p, v in flat}
+    )
     return nnx.state(trainer.model(jax.device_put(host, shardings)))
 
 

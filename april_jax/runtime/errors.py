@@ -21,10 +21,16 @@ class Stopped(Exception):
 
         name = signal.Signals(signum).name
         if done is None:
-            return cls(signum, f"stopped by {name} before step 1 of {total} finished: nothing to save; rerun the "
-                               f"same command to start again")
-        return cls(signum, f"stopped by {name} after step {done} of {total}: checkpoint at {checkpoints}/{done}; "
-                           f"rerun the same command to resume")
+            return cls(
+                signum,
+                f"stopped by {name} before step 1 of {total} finished: nothing to save; rerun the "
+                f"same command to start again",
+            )
+        return cls(
+            signum,
+            f"stopped by {name} after step {done} of {total}: checkpoint at {checkpoints}/{done}; "
+            f"rerun the same command to resume",
+        )
 
 
 class TrainingError(RuntimeError):

@@ -31,8 +31,10 @@ class WorkdirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"workdir {self.workdir} is in use by another trainer (it holds "
-                              f"{self.workdir / LOCK_NAME}); wait for it or choose another --config.workdir") from None
+            raise ConfigError(
+                f"workdir {self.workdir} is in use by another trainer (it holds "
+                f"{self.workdir / LOCK_NAME}); wait for it or choose another --config.workdir"
+            ) from None
         self._fd = fd
 
     def release(self) -> None:
@@ -45,8 +47,10 @@ def check_workdir(value: str) -> Path:
     """The run's folder, checked before anything is loaded: an empty value (an unset shell
     variable) would train in the current folder and overwrite whatever config.json is there."""
     if not str(value).strip():
-        raise ConfigError("config key 'workdir' is empty (an unset shell variable?): name the run's own folder, "
-                          "e.g. --config.workdir=runs/NAME")
+        raise ConfigError(
+            "config key 'workdir' is empty (an unset shell variable?): name the run's own folder, "
+            "e.g. --config.workdir=runs/NAME"
+        )
     workdir = Path(value)
     for folder in reversed([workdir, *workdir.parents]):  # from the root down: the first file names the problem
         if folder.exists() and not folder.is_dir():

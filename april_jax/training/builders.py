@@ -27,8 +27,10 @@ def check_vocab(c, task_vocab: int | None) -> None:
         return  # build_model names the bad arch
     if model_vocab is not None and task_vocab > int(model_vocab):
         source = c.data.tokenizer_path or c.model.path or "the task"
-        raise ConfigError(f"the tokenizer ({source}) has {task_vocab} tokens but the model ({what}) only "
-                          f"{model_vocab}: set data.tokenizer_path to the model's tokenizer")
+        raise ConfigError(
+            f"the tokenizer ({source}) has {task_vocab} tokens but the model ({what}) only "
+            f"{model_vocab}: set data.tokenizer_path to the model's tokenizer"
+        )
 
 
 def build_model(c, mesh, vocab_size):
@@ -40,12 +42,20 @@ def build_model(c, mesh, vocab_size):
     if c.model.path:
         return hf.from_pretrained(c.model.path, dtype=dtype, compute_dtype=compute, mesh=mesh, **choices)
     if c.model.arch == "tiny":
-        cfg = qwen3.Qwen3Config(vocab_size=vocab_size or 1024, param_dtype=dtype, dtype=compute,
-                                max_position_embeddings=4096, **choices, **c.model.tiny.to_dict())
+        cfg = qwen3.Qwen3Config(
+            vocab_size=vocab_size or 1024,
+            param_dtype=dtype,
+            dtype=compute,
+            max_position_embeddings=4096,
+            **choices,
+            **c.model.tiny.to_dict(),
+        )
     elif c.model.arch in qwen3.PRESETS:
         cfg = qwen3.PRESETS[c.model.arch].replace(param_dtype=dtype, dtype=compute, **choices)
     else:
-        raise ConfigError(f"config key 'model.arch'={c.model.arch!r}: expected 'tiny' or one of {sorted(qwen3.PRESETS)}")
+        raise ConfigError(
+            f"config key 'model.arch'={c.model.arch!r}: expected 'tiny' or one of {sorted(qwen3.PRESETS)}"
+        )
     return qwen3.init_model(cfg, seed=c.seed, mesh=mesh)
 
 
@@ -67,27 +77,44 @@ def build_reference(c, mesh, model, workdir: Path, fresh: bool):
             return None
     if not path:
         return None
-    return hf.from_pretrained(path, dtype=qwen3.as_dtype(c.model.dtype), mesh=mesh,
-                                 compute_dtype=qwen3.as_dtype(c.model.compute_dtype), remat=c.model.remat,
-                                 attention_impl=c.model.attention_impl)
+    return hf.from_pretrained(
+        path,
+        dtype=qwen3.as_dtype(c.model.dtype),
+        mesh=mesh,
+        compute_dtype=qwen3.as_dtype(c.model.compute_dtype),
+        remat=c.model.remat,
+        attention_impl=c.model.attention_impl,
+    )
 
 
 def build_engine(c, model, max_model_len: int, version: int) -> EngineProtocol:
     if c.rollout.engine == "jax":
         from april_jax.rollout.jax_engine import JaxEngine
 
-        return JaxEngine(model, max_num_seqs=c.rollout.max_num_seqs, max_model_len=max_model_len, seed=c.seed,
-                         policy_version=version, decode_steps_per_call=c.rollout.decode_steps_per_call,
-                         reuse_aborted_kv=c.rollout.reuse_aborted_kv, samples_per_prompt=c.rollout.n_samples_per_prompt,
-                         free_kv_in_sleep=c.rollout.free_kv_cache_in_train,
-                         merge_padding_tokens=c.rollout.merge_padding_tokens,
-                         hold_aborted_kv=c.rollout.hold_aborted_kv,
-                         smallest_prefill_bucket=c.rollout.smallest_prefill_bucket)
+        return JaxEngine(
+            model,
+            max_num_seqs=c.rollout.max_num_seqs,
+            max_model_len=max_model_len,
+            seed=c.seed,
+            policy_version=version,
+            decode_steps_per_call=c.rollout.decode_steps_per_call,
+            reuse_aborted_kv=c.rollout.reuse_aborted_kv,
+            samples_per_prompt=c.rollout.n_samples_per_prompt,
+            free_kv_in_sleep=c.rollout.free_kv_cache_in_train,
+            merge_padding_tokens=c.rollout.merge_padding_tokens,
+            hold_aborted_kv=c.rollout.hold_aborted_kv,
+            smallest_prefill_bucket=c.rollout.smallest_prefill_bucket,
+        )
     if c.rollout.engine == "sim":
         from april_jax.rollout.sim_engine import SimEngine
 
-        return SimEngine(slots=c.rollout.max_num_seqs, seed=c.seed, max_model_len=max_model_len,
-                         length_scale=c.rollout.max_response_len / 32768, policy_version=version)
+        return SimEngine(
+            slots=c.rollout.max_num_seqs,
+            seed=c.seed,
+            max_model_len=max_model_len,
+            length_scale=c.rollout.max_response_len / 32768,
+            policy_version=version,
+        )
     return _build_vllm_engine(c, model, max_model_len, version)
 
 
@@ -98,15 +125,28 @@ def _build_vllm_engine(c, model, max_model_len: int, version: int) -> EngineProt
     urls = [u.strip() for u in c.rollout.vllm_urls.split(",") if u.strip()]
     try:
         if urls:
-            return VllmEngine(urls=urls, api_key=os.environ.get("VLLM_API_KEY"), max_num_seqs=c.rollout.max_num_seqs,
-                              max_model_len=max_model_len, policy_version=version,
-                              weight_transport=c.rollout.weight_transport, sleep_mode=c.rollout.vllm_sleep_mode)
+            return VllmEngine(
+                urls=urls,
+                api_key=os.environ.get("VLLM_API_KEY"),
+                max_num_seqs=c.rollout.max_num_seqs,
+                max_model_len=max_model_len,
+                policy_version=version,
+                weight_transport=c.rollout.weight_transport,
+                sleep_mode=c.rollout.vllm_sleep_mode,
+            )
         python = find_vllm_python(c.rollout.vllm_python or None)
     except VllmSetupError as e:
         raise ConfigError(f"rollout.vllm_urls: {e}" if urls else str(e)) from None
     # the server starts from the trainer's current weights, with the run's tokenizer
     init_dir = prepare_model_dir(model, Path(c.workdir) / "vllm_init", c.data.tokenizer_path or c.model.path or None)
-    return VllmEngine(init_dir, python=python, max_num_seqs=c.rollout.max_num_seqs,
-                      max_model_len=max_model_len, policy_version=version, log_dir=c.workdir,
-                      dtype=c.model.compute_dtype, weight_transport=c.rollout.weight_transport,
-                      sleep_mode=c.rollout.vllm_sleep_mode)
+    return VllmEngine(
+        init_dir,
+        python=python,
+        max_num_seqs=c.rollout.max_num_seqs,
+        max_model_len=max_model_len,
+        policy_version=version,
+        log_dir=c.workdir,
+        dtype=c.model.compute_dtype,
+        weight_transport=c.rollout.weight_transport,
+        sleep_mode=c.rollout.vllm_sleep_mode,
+    )

@@ -42,14 +42,23 @@ class _Wandb:
         except ImportError:
             from april_jax.config import ConfigError
 
-            raise ConfigError("log.wandb_project is set but wandb is not installed "
-                             "(pip install 'april_jax[wandb]' or pip install wandb)") from None
+            raise ConfigError(
+                "log.wandb_project is set but wandb is not installed "
+                "(pip install 'april_jax[wandb]' or pip install wandb)"
+            ) from None
         id_file = workdir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         id_file.write_text(run_id)
-        self.run = wandb.init(project=project, mode=mode, dir=str(workdir), id=run_id, resume="allow",
-                              config=config or {}, name=workdir.name,
-                              settings=wandb.Settings(silent=True, console="off"))
+        self.run = wandb.init(
+            project=project,
+            mode=mode,
+            dir=str(workdir),
+            id=run_id,
+            resume="allow",
+            config=config or {},
+            name=workdir.name,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
 
     def write(self, step: int, record: dict) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
@@ -59,8 +68,17 @@ class _Wandb:
 
 
 class MetricsWriter:
-    def __init__(self, workdir, *, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
-                 wandb_project: str = "", wandb_mode: str = "online", config: dict | None = None):
+    def __init__(
+        self,
+        workdir,
+        *,
+        tensorboard: bool = True,
+        progress: bool = True,
+        total_steps: int = 0,
+        wandb_project: str = "",
+        wandb_mode: str = "online",
+        config: dict | None = None,
+    ):
         workdir = Path(workdir)
         self.path = workdir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,10 +111,14 @@ class MetricsWriter:
         left = max(self.total_steps - step - 1, 0) * per_step
         bar_len = 20
         filled = int(bar_len * (step + 1) / max(self.total_steps, 1))
-        print(f"[{'#' * filled}{'.' * (bar_len - filled)}] step {step + 1}/{self.total_steps} "
-              f"reward {m.get('reward/mean', float('nan')):.3f} "
-              f"tok/s {m.get('rollout/tokens_per_s', 0):.0f} "
-              f"loss {m.get('train/loss', float('nan')):+.4f} ETA {left / 60:.1f} min", file=sys.stderr, flush=True)
+        print(
+            f"[{'#' * filled}{'.' * (bar_len - filled)}] step {step + 1}/{self.total_steps} "
+            f"reward {m.get('reward/mean', float('nan')):.3f} "
+            f"tok/s {m.get('rollout/tokens_per_s', 0):.0f} "
+            f"loss {m.get('train/loss', float('nan')):+.4f} ETA {left / 60:.1f} min",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         for sink in self._sinks:

@@ -22,12 +22,21 @@ class RunState:
 
     def meta(self, done_steps: int, with_april: bool = True) -> dict:
         """The checkpoint meta after `done_steps` steps (APRIL's state None unless `with_april`)."""
-        rng = {"engine": self.engine.rng_state() if self.engine is not None else None,  # None: not process 0
-               "reward_failures": self.reward.failures, "reward_timeouts": self.reward.timeouts}
-        return {"step": done_steps, "version": self.version, "skipped_steps": self.trainer.skipped_steps,
-                "data": self.prompts.state_dict(), "rng": rng,
-                "april": self.april.state_dict() if with_april else None,
-                "config": json.loads(self.c.to_json()), "model_config": self.trainer.model().cfg.to_hf_config()}
+        rng = {
+            "engine": self.engine.rng_state() if self.engine is not None else None,  # None: not process 0
+            "reward_failures": self.reward.failures,
+            "reward_timeouts": self.reward.timeouts,
+        }
+        return {
+            "step": done_steps,
+            "version": self.version,
+            "skipped_steps": self.trainer.skipped_steps,
+            "data": self.prompts.state_dict(),
+            "rng": rng,
+            "april": self.april.state_dict() if with_april else None,
+            "config": json.loads(self.c.to_json()),
+            "model_config": self.trainer.model().cfg.to_hf_config(),
+        }
 
     def later(self, done_steps: int) -> Callable[[], dict]:
         """meta(done_steps) for a stop signal's save, should one come: all but APRIL's state now;

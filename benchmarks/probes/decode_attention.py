@@ -37,8 +37,12 @@ def ms(fn, *args) -> float:
 def measure(B: int, S: int, steps: int, graphdef, state, programs, rng) -> dict:
     """One batch size's figures (the module docstring lists them)."""
     cfg = CONFIG_40M
-    K, G, D, L = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, \
-        cfg.num_hidden_layers
+    K, G, D, L = (
+        cfg.num_key_value_heads,
+        cfg.num_attention_heads // cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.num_hidden_layers,
+    )
     row = {"batch": B, "context": S}
     forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
     row["forward_floor_ms"] = ms(forward, state, jnp.zeros((B, 1), jnp.int32))
@@ -48,11 +52,26 @@ def measure(B: int, S: int, steps: int, graphdef, state, programs, rng) -> dict:
 
     def decode_call():  # 8 steps from 40 cached positions; the donated cache comes back each call
         box[0], tokens, *_ = programs.decode(
-            state, box[0]._replace(lengths_B=jnp.full(B, 40, jnp.int32)), jnp.zeros(B, jnp.int32),
-            np.arange(B, dtype=np.int32), np.ones(B, bool), z.astype(np.float32), np.ones(B, np.float32), z, z, z,
-            np.full(B, 1000, np.int32), np.full((B, 1), -1, np.int32), np.int32(steps), mode="greedy",
-            num_positions=S, steps_per_call=steps, in_place=True)
+            state,
+            box[0]._replace(lengths_B=jnp.full(B, 40, jnp.int32)),
+            jnp.zeros(B, jnp.int32),
+            np.arange(B, dtype=np.int32),
+            np.ones(B, bool),
+            z.astype(np.float32),
+            np.ones(B, np.float32),
+            z,
+            z,
+            z,
+            np.full(B, 1000, np.int32),
+            np.full((B, 1), -1, np.int32),
+            np.int32(steps),
+            mode="greedy",
+            num_positions=S,
+            steps_per_call=steps,
+            in_place=True,
+        )
         return tokens
+
     row["decode_step_ms"] = round(ms(decode_call) / steps, 2)
 
     q = jnp.asarray(rng.randn(B, K, G, D), jnp.float32)
@@ -60,8 +79,9 @@ def measure(B: int, S: int, steps: int, graphdef, state, programs, rng) -> dict:
     keys["ksd"] = jnp.swapaxes(keys["kds"], -1, -2)
     values = jnp.asarray(rng.randn(L, B, K, S, D), jnp.float32)
     valid = jnp.ones((B, S), bool)
-    attention = jax.jit(lambda q, ks, vs: [qwen3._decode_attention(q[:, None], ks[i], vs[i], valid, jnp.float32)
-                                           for i in range(L)])
+    attention = jax.jit(
+        lambda q, ks, vs: [qwen3._decode_attention(q[:, None], ks[i], vs[i], valid, jnp.float32) for i in range(L)]
+    )
     row["attention_ms"] = ms(attention, q, keys["kds"], values)
     for name, (layout, form) in QK_FORMS.items():
         row[f"{name}_ms"] = ms(jax.jit(lambda q, ks, form=form: [form(q, ks[i]) for i in range(L)]), q, keys[layout])
@@ -77,12 +97,27 @@ def main() -> None:
     model = qwen3.init_model(cfg, seed=0)
     graphdef, state = nnx.split(model)
     programs = engine_steps.compiled(graphdef)
-    K, G, D, L = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, \
-        cfg.num_hidden_layers
+    K, G, D, L = (
+        cfg.num_key_value_heads,
+        cfg.num_attention_heads // cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.num_hidden_layers,
+    )
     rng = np.random.RandomState(0)
     rows = [measure(B, S, steps, graphdef, state, programs, rng) for B in map(int, args.batches.split(","))]
-    print(json.dumps({"benchmark": "decode_attention", "params_m": round(cfg.num_params / 1e6, 1), "layers": L,
-                      "kv_heads": K, "group": G, "head_dim": D, "results": rows}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "decode_attention",
+                "params_m": round(cfg.num_params / 1e6, 1),
+                "layers": L,
+                "kv_heads": K,
+                "group": G,
+                "head_dim": D,
+                "results": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

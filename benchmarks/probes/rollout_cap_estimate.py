@@ -42,7 +42,7 @@ def best_step_time(cost, L, P, X, k, lmax, replicas, slots, per_step, grid=80):
     taus = np.linspace(c0 * 1.01, full, grid)
     for tau_y in taus:
         b_y = min((tau_y - c0) / (c1 * cy), slots, budget / cy)
-        for tau_o in (taus if to else [c0]):
+        for tau_o in taus if to else [c0]:
             b_o = min((tau_o - c0) / (c1 * co), slots, budget / co) if to else 1.0
             T = (ty * tau_y / b_y + (to * tau_o / b_o if to else 0.0)) / replicas
             if X * tau_y + (lmax - X) * tau_o <= k * T and T < best[0]:
@@ -60,19 +60,30 @@ def main():
     cost = cost_model.make(args.cost)
     rng = np.random.default_rng(0)
     u = rng.random(200_000)
-    L = np.where(u < 0.5, rng.uniform(1, 1024, u.size), np.where(u < 0.8, rng.uniform(1024, 8192, u.size),
-                                                                 rng.uniform(8192, 32768, u.size)))
+    L = np.where(
+        u < 0.5,
+        rng.uniform(1, 1024, u.size),
+        np.where(u < 0.8, rng.uniform(1024, 8192, u.size), rng.uniform(8192, 32768, u.size)),
+    )
     L = np.minimum(L, args.max_response_len)
     P, per_step, slots = 64, 256, 256
     ctx = (L * P + L * (L - 1) / 2).mean() * per_step
-    free = cost_model.time_lower_bound_s(cost, tokens=int(L.mean() * per_step), ctx_sum=int(ctx), prompt_lens=[],
-                                         slots=slots, replicas=args.replicas)
+    free = cost_model.time_lower_bound_s(
+        cost, tokens=int(L.mean() * per_step), ctx_sum=int(ctx), prompt_lens=[], slots=slots, replicas=args.replicas
+    )
     rows = []
     for k in args.steps_of_time:
         for X in (args.max_response_len, 8192, 2048):
             T, how = best_step_time(cost, L, P, X, k, args.max_response_len, args.replicas, slots, per_step)
-            rows.append({"steps_of_time": k, "young_lane_tokens": X, "step_time_s": round(T, 1),
-                         "fraction_of_free_limit": round(free / T, 3), **(how or {})})
+            rows.append(
+                {
+                    "steps_of_time": k,
+                    "young_lane_tokens": X,
+                    "step_time_s": round(T, 1),
+                    "fraction_of_free_limit": round(free / T, 3),
+                    **(how or {}),
+                }
+            )
     print(json.dumps({"cost": args.cost, "replicas": args.replicas, "free_step_time_s": round(free, 1), "rows": rows}))
 
 

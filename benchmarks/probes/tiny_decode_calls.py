@@ -25,26 +25,44 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--full", action="store_true")
     args = ap.parse_args()
-    cfg = qwen3.Qwen3Config(vocab_size=16, max_position_embeddings=4096, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            rope_theta=1e4)
+    cfg = qwen3.Qwen3Config(
+        vocab_size=16,
+        max_position_embeddings=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=1e4,
+    )
     model = qwen3.init_model(cfg, seed=0)
     out = {}
     for rows in map(int, args.rows.split(",")):
-        engine = JaxEngine(model, max_num_seqs=128, max_model_len=48, decode_steps_per_call=args.steps_per_call,
-                           samples_per_prompt=8, compact_decode=not args.full)
+        engine = JaxEngine(
+            model,
+            max_num_seqs=128,
+            max_model_len=48,
+            decode_steps_per_call=args.steps_per_call,
+            samples_per_prompt=8,
+            compact_decode=not args.full,
+        )
         times = []
         for round_ in range(args.rounds):
-            engine.submit([Request(f"{round_}-{i}", (1, 3, 5, 6, 7, 4), 40, SamplingParams(temperature=0.7))
-                           for i in range(rows)])
+            engine.submit(
+                [Request(f"{round_}-{i}", (1, 3, 5, 6, 7, 4), 40, SamplingParams(temperature=0.7)) for i in range(rows)]
+            )
             engine.step()
             while engine.has_unfinished():
                 t = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t)
         out[rows] = round(statistics.median(times) * 1e3, 3)
-    print(json.dumps({"steps_per_call": args.steps_per_call, "compact_decode": not args.full,
-                      "ms_per_call_by_busy_rows": out}))
+    print(
+        json.dumps(
+            {"steps_per_call": args.steps_per_call, "compact_decode": not args.full, "ms_per_call_by_busy_rows": out}
+        )
+    )
 
 
 if __name__ == "__main__":

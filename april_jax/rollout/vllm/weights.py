@@ -66,7 +66,7 @@ def reclaim_transport_leftovers(base) -> list[Path]:
     for entry in entries:
         if not entry.name.startswith(TRANSPORT_PREFIX):
             continue
-        parts = entry.name[len(TRANSPORT_PREFIX):].split("_")
+        parts = entry.name[len(TRANSPORT_PREFIX) :].split("_")
         if len(parts) < 3 or parts[0] != boot or tag_alive(parts[1]):
             continue
         try:
@@ -176,8 +176,10 @@ class CudaIpcBucket:
 
         not_cuda = sorted(k for k, v in example.items() if not (isinstance(v, torch.Tensor) and v.is_cuda))
         if not_cuda:
-            raise ValueError(f"weight_transport 'cuda_ipc' needs the trainer's parameters on a CUDA device; "
-                             f"{not_cuda[0]} (and {len(not_cuda) - 1} more) are not: use 'shm' on this host")
+            raise ValueError(
+                f"weight_transport 'cuda_ipc' needs the trainer's parameters on a CUDA device; "
+                f"{not_cuda[0]} (and {len(not_cuda) - 1} more) are not: use 'shm' on this host"
+            )
         self.meta, offset = [], 0
         for name, t in example.items():
             nbytes = t.numel() * t.element_size()
@@ -185,8 +187,10 @@ class CudaIpcBucket:
             offset += -(-nbytes // self.ALIGN) * self.ALIGN
         device = next(iter(example.values())).device
         self.buffer = torch.empty(offset, dtype=torch.uint8, device=device)
-        self._views = {name: self.buffer[off:off + n].view(getattr(torch, dtype)).view(shape)
-                       for name, dtype, shape, off, n in self.meta}
+        self._views = {
+            name: self.buffer[off : off + n].view(getattr(torch, dtype)).view(shape)
+            for name, dtype, shape, off, n in self.meta
+        }
 
     def write(self, named: dict) -> None:
         import torch
@@ -205,14 +209,43 @@ class CudaIpcBucket:
 
         from torch.multiprocessing.reductions import reduce_tensor
 
-        _, (_cls, size, stride, offset, storage_cls, _dtype, _device, handle, storage_bytes, storage_offset,
-            _grad, ref_handle, ref_offset, event_handle, event_sync) = reduce_tensor(self.buffer)
+        (
+            _,
+            (
+                _cls,
+                size,
+                stride,
+                offset,
+                storage_cls,
+                _dtype,
+                _device,
+                handle,
+                storage_bytes,
+                storage_offset,
+                _grad,
+                ref_handle,
+                ref_offset,
+                event_handle,
+                event_sync,
+            ),
+        ) = reduce_tensor(self.buffer)
 
         def b64(raw):
             return None if raw is None else base64.b64encode(raw).decode()
 
-        return json.dumps({"layout": [list(m) for m in self.meta], "size": list(size), "stride": list(stride),
-                           "offset": int(offset), "storage_cls": storage_cls.__name__, "handle": b64(handle),
-                           "storage_size_bytes": int(storage_bytes), "storage_offset_bytes": int(storage_offset),
-                           "ref_counter_handle": b64(ref_handle), "ref_counter_offset": int(ref_offset),
-                           "event_handle": b64(event_handle), "event_sync_required": bool(event_sync)})
+        return json.dumps(
+            {
+                "layout": [list(m) for m in self.meta],
+                "size": list(size),
+                "stride": list(stride),
+                "offset": int(offset),
+                "storage_cls": storage_cls.__name__,
+                "handle": b64(handle),
+                "storage_size_bytes": int(storage_bytes),
+                "storage_offset_bytes": int(storage_offset),
+                "ref_counter_handle": b64(ref_handle),
+                "ref_counter_offset": int(ref_offset),
+                "event_handle": b64(event_handle),
+                "event_sync_required": bool(event_sync),
+            }
+        )

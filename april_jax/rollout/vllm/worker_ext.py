@@ -25,8 +25,9 @@ def inside_transport_dir(path: str) -> Path:
     """`path` resolved, or PermissionError when it is not a file inside the transport folder."""
     root = os.environ.get(TRANSPORT_DIR_ENV)
     if not root:
-        raise PermissionError(f"weight update refused: the server was started without ${TRANSPORT_DIR_ENV}, "
-                              f"so no file may be read")
+        raise PermissionError(
+            f"weight update refused: the server was started without ${TRANSPORT_DIR_ENV}, so no file may be read"
+        )
     root_dir = Path(root).resolve()
     file = Path(path).resolve()
     if not file.is_relative_to(root_dir) or file == root_dir:
@@ -56,21 +57,38 @@ class WeightUpdateExt:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         spec = json.loads(payload)  # a ValueError for anything that is not JSON (a pickle, say)
-        storage_cls = {"TypedStorage": torch.storage.TypedStorage,
-                       "UntypedStorage": torch.UntypedStorage}[spec["storage_cls"]]
+        storage_cls = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}[
+            spec["storage_cls"]
+        ]
         buffer = rebuild_cuda_tensor(
-            torch.Tensor, tuple(int(n) for n in spec["size"]), tuple(int(n) for n in spec["stride"]),
-            int(spec["offset"]), storage_cls, torch.uint8,
+            torch.Tensor,
+            tuple(int(n) for n in spec["size"]),
+            tuple(int(n) for n in spec["stride"]),
+            int(spec["offset"]),
+            storage_cls,
+            torch.uint8,
             self.device.index,  # same physical GPU, but CUDA_VISIBLE_DEVICES may renumber it
-            _b64(spec["handle"]), int(spec["storage_size_bytes"]), int(spec["storage_offset_bytes"]), False,
-            _b64(spec["ref_counter_handle"]), int(spec["ref_counter_offset"]), _b64(spec["event_handle"]),
-            bool(spec["event_sync_required"]))
+            _b64(spec["handle"]),
+            int(spec["storage_size_bytes"]),
+            int(spec["storage_offset_bytes"]),
+            False,
+            _b64(spec["ref_counter_handle"]),
+            int(spec["ref_counter_offset"]),
+            _b64(spec["event_handle"]),
+            bool(spec["event_sync_required"]),
+        )
         named = []
         for name, dtype, shape, off, n in spec["layout"]:
             if dtype not in WEIGHT_DTYPES:
-                raise ValueError(f"cuda_ipc layout: tensor {name!r} has dtype {dtype!r}; expected one of {WEIGHT_DTYPES}")
-            named.append((str(name), buffer[int(off):int(off) + int(n)].view(getattr(torch, dtype))
-                          .view(tuple(int(s) for s in shape))))
+                raise ValueError(
+                    f"cuda_ipc layout: tensor {name!r} has dtype {dtype!r}; expected one of {WEIGHT_DTYPES}"
+                )
+            named.append(
+                (
+                    str(name),
+                    buffer[int(off) : int(off) + int(n)].view(getattr(torch, dtype)).view(tuple(int(s) for s in shape)),
+                )
+            )
         self.model_runner.reload_weights(weights_iterator=iter(named))
         torch.cuda.synchronize()
         return len(named)
