@@ -1,7 +1,7 @@
 """APRIL against synchronous rollout on a real checkpoint and real prompts, on a real engine.
 
-    python benchmarks/rollout.py --engine jax  --model asset:smollm2-135m-instruct [--seed 0]
-    python benchmarks/rollout.py --engine vllm --model asset:smollm2-135m-instruct [--seed 0]
+    python -m benchmarks.rollout --engine jax  --model asset:smollm2-135m-instruct [--seed 0]
+    python -m benchmarks.rollout --engine vllm --model asset:smollm2-135m-instruct [--seed 0]
 
 The model's own response lengths: every response runs until the model stops (its EOS or
 end-of-turn token) or reaches `--max-response-len`; nothing shapes them. The prompts are the

@@ -164,7 +164,7 @@ def test_damaged_checkpoint_meta_is_one_line(trained):
     workdir = copy_run(trained, "damaged_meta")
     meta_file = workdir / "checkpoints" / "1" / "meta" / "metadata"
     meta_file.write_text(json.dumps(dict(json.loads(meta_file.read_text()), step="two")))
-    one_error_line(run(module("ckpt", "inspect", workdir)), "checkpoints/1", "step='two'")
+    one_error_line(run(module("cli.ckpt", "inspect", workdir)), "checkpoints/1", "step='two'")
     resumed = run(train(workdir, "--config.train.total_steps=2"))
     one_error_line(resumed, str(workdir / "checkpoints" / "1"), "step='two'", "no older checkpoint")
     assert meta_file.exists(), "the only checkpoint stays where it was"
@@ -173,7 +173,7 @@ def test_damaged_checkpoint_meta_is_one_line(trained):
 @pytest.mark.slow
 def test_export_into_the_runs_checkpoints_is_refused(trained):
     target = trained / "checkpoints" / "1" / "hf_export"
-    one_error_line(run(module("ckpt", "export-hf", trained, target)), str(target), "checkpoints folder")
+    one_error_line(run(module("cli.ckpt", "export-hf", trained, target)), str(target), "checkpoints folder")
     assert not target.exists()
 
 
@@ -224,12 +224,12 @@ def test_plot_of_a_torn_metrics_file_and_out_folder(tmp_path):
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')
     out = tmp_path / "plots"
     out.mkdir()
-    proc = run(module("plot", run_dir, "--out", out))
+    proc = run(module("cli.plot", run_dir, "--out", out))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "metrics.jsonl:4: incomplete last line" in proc.stderr and "plotting the 3 complete steps" in proc.stderr
     assert proc.stdout.strip() == f"wrote {out / 'dashboard.png'}" and (out / "dashboard.png").stat().st_size > 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "run"], "nothing written beside the folder"
 
-    one_error_line(run(module("plot", run_dir, "--out", tmp_path / "dash.pdf")), "dash.pdf", ".png")
+    one_error_line(run(module("cli.plot", run_dir, "--out", tmp_path / "dash.pdf")), "dash.pdf", ".png")
     (run_dir / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n{oops\n" + json.dumps(rows[1]) + "\n")
-    one_error_line(run(module("plot", run_dir)), "metrics.jsonl:2", "not a metrics record")
+    one_error_line(run(module("cli.plot", run_dir)), "metrics.jsonl:2", "not a metrics record")

@@ -39,6 +39,7 @@ def tiny_llama_with_smollm2_tokenizer(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_real_prompts_on_the_jax_engine_report_consistent_figures(tiny_llama_with_smollm2_tokenizer):
     proc = subprocess.run(
         [
