@@ -102,6 +102,7 @@ def shortest_prompt(data) -> int:
 
 def build_engine(args, model, model_path: str, max_model_len: int, prefill_bucket: int):
     if args.engine == "jax":
+        from april_jax.config import default_config
         from april_jax.rollout.jax_engine import JaxEngine
 
         engine = JaxEngine(
@@ -111,6 +112,9 @@ def build_engine(args, model, model_path: str, max_model_len: int, prefill_bucke
             seed=args.seed,
             samples_per_prompt=args.samples,
             smallest_prefill_bucket=prefill_bucket,
+            # the product's setting: nothing sleeps between steps here, as on CPU with
+            # rollout.free_kv_cache_in_train=false, so held rows resume without a re-prefill
+            hold_aborted_kv=default_config().rollout.hold_aborted_kv,
         )
         engine.warmup(modes=("sample",))  # no compile inside a measured step
         return StepCostMeter(engine, window_s=0.0, decode_only=True)
@@ -280,6 +284,7 @@ def compare(args) -> dict:
         "refill": cfg.refill,
         "inflight": cfg.inflight,
         "finish_wait": cfg.finish_wait,
+        "hold_aborted_kv": args.engine == "jax" and default_config().rollout.hold_aborted_kv,
         "delivered_speedup": round(april["delivered_tokens_per_s"] / sync["delivered_tokens_per_s"], 3),
         "delivered_speedup_with_compiles": round(
             april["delivered_tokens_per_s_with_compiles"] / sync["delivered_tokens_per_s_with_compiles"], 3

@@ -6,6 +6,8 @@ code 3 (a trainer that died).
 PROBE_MODE=listen: every process joins the job as the trainer does (april_jax.runtime.distributed.initialize,
 the real JAX coordinator); process 0 then writes the local addresses listening on the coordinator's
 port (from /proc/net/tcp and tcp6) to $PROBE_DIR/listen_0.
+PROBE_MODE=stubborn: every process ignores SIGTERM and SIGINT (a trainer still writing its
+checkpoint), writes its pid to $PROBE_DIR/pid_INDEX and sleeps.
 """
 
 import json
@@ -43,6 +45,14 @@ if os.environ.get("PROBE_MODE") == "listen":
         port = int(os.environ["JAX_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
         (out / "listen_0").write_text(json.dumps(listening(port)))
     distributed.barrier("probed")
+    sys.exit(0)
+if os.environ.get("PROBE_MODE") == "stubborn":
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    (out / f"pid_{index}").write_text(str(os.getpid()))
+    time.sleep(600)
     sys.exit(0)
 if index == 0:
     (out / "pid_0").write_text(str(os.getpid()))

@@ -244,6 +244,45 @@ def test_held_rows_give_way_to_new_requests_oldest_first(tiny_reference, resumed
         np.testing.assert_allclose(r.logprobs, reference[rid].logprobs, atol=1e-4)
 
 
+def test_held_rows_saved_as_json_resume_bit_for_bit_in_a_fresh_engine(tiny_reference, resumed_groups):
+    """held_kv_state() through JSON into a fresh engine (a run resumed from a stop signal's
+    checkpoint): the resumed requests continue in the same slots without a prefill, and their
+    tokens and logprobs equal the original engine's exactly; a state that does not fit (another
+    slot count) is refused with a reason and nothing held."""
+    import json
+
+    _, model = tiny_reference
+    prompts, _, _ = resumed_groups
+    make = lambda slots=SLOTS: JaxEngine(
+        model,
+        max_num_seqs=slots,
+        max_model_len=MAX_LEN,
+        decode_steps_per_call=4,
+        hold_aborted_kv=True,
+        samples_per_prompt=4,
+        seed=3,
+    )
+    engine = make()
+    partials = cut_and_abort(engine, prompts, steps=2)
+    state = json.loads(json.dumps(engine.held_kv_state()))
+    assert sorted(state["slots"]) == sorted(engine._held_order) and len(state["slots"]) == 8
+    rng = engine.rng_state()
+    want = engine.generate(resumed(prompts, partials))
+
+    fresh = make()
+    fresh.set_rng_state(rng)
+    assert fresh.restore_held_kv(state) is None
+    got = fresh.generate(resumed(prompts, partials))
+    stats = fresh.stats()
+    assert stats.kv_reused == 8 and stats.prefill_tokens == 0
+    for rid, r in want.items():
+        assert got[rid].token_ids == r.token_ids, rid
+        assert got[rid].logprobs == r.logprobs, rid
+
+    small = make(slots=4)
+    assert "do not fit" in small.restore_held_kv(state) and not small._held_order
+
+
 def test_decode_runs_in_place_when_every_slot_is_in_the_call(tiny_reference, workload):
     """With all 16 slots busy and a long context the decode program works on the cache where it
     lies (no row gather, no scatter back); its tokens equal the full-batch reference path."""

@@ -4,9 +4,10 @@ nothing had happened (metrics and params equal to an uninterrupted run's).
 
 One chain of runs on a copy of one workdir: SIGINT while the trainer starts (the warm-up's result is
 saved as checkpoint 0), SIGTERM to the whole process group in the middle of a step, then a resume to
-the end, compared with one uninterrupted run. `rollout.hold_aborted_kv` is off: a held KV cache is
-engine memory that no checkpoint keeps (a resumed step re-prefills those responses), so with it a
-resume between checkpoints is equal in distribution, not bit for bit. Then SIGTERM under
+the end, compared with one uninterrupted run. The tiny config holds aborted responses' KV through
+the train step (`rollout.hold_aborted_kv`, `free_kv_cache_in_train=false`): the signal's checkpoint
+keeps those rows, and the resume puts them back, so it equals the uninterrupted run bit for bit
+(a re-prefill would not). Then SIGTERM under
 `python -m april_jax.cli.launch --nprocs 2`: every process stops at one step and saves it together.
 """
 
@@ -40,7 +41,6 @@ ARGS = [
     "--config.eval.every=0",
     "--config.log.progress=false",
     "--config.log.tensorboard=false",
-    "--config.rollout.hold_aborted_kv=false",
     f"--config.train.total_steps={STEPS}",
     "--config.checkpoint.every=100",
 ]  # only the last step saves by itself
@@ -134,6 +134,8 @@ def test_signals_save_the_last_finished_step_and_the_resume_is_identical(uninter
     assert 1 <= done < STEPS and [r["step"] for r in read_metrics(workdir)] == list(range(done)), (
         "at most the step in progress is lost, and nothing written for it"
     )
+    meta = json.loads((workdir / "checkpoints" / str(done) / "meta" / "metadata").read_text())
+    assert meta["engine_kv"]["slots"], "the engine held aborted responses' KV at the end of the step saved"
 
     code = subprocess.run(train(workdir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert code.returncode == 0, code.stderr[-3000:]
@@ -203,3 +205,32 @@ def test_the_coordinator_listens_on_loopback_only(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     sockets = json.loads((tmp_path / "listen_0").read_text())
     assert sockets == ["127.0.0.1"], sockets
+
+
+def test_a_second_signal_to_the_launcher_kills_at_once(tmp_path):
+    """The processes ignore the first SIGTERM (still writing their checkpoint): the launcher waits
+    for them (its grace is 300 s), and a second SIGTERM SIGKILLs every one at once; the launcher
+    says which process did not stop as asked and exits with its code (137)."""
+    env = dict(ENV, PROBE_DIR=str(tmp_path), PROBE_MODE="stubborn", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    code = (
+        "import sys; from april_jax.cli.launch import launch; "
+        "sys.exit(launch(2, [], cpu_devices=1, module='launch_probe', stop_grace_s=300))"
+    )
+    log = tmp_path / "stderr"
+    proc = start([sys.executable, "-c", code], log, env)
+    pid_files = [tmp_path / f"pid_{i}" for i in range(2)]
+    wait_for(proc, lambda: all(f.exists() and f.read_text() for f in pid_files), log)
+    pids = [int(f.read_text()) for f in pid_files]
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert proc.poll() is None, "the launcher waits while the processes save"
+    for pid in pids:
+        os.kill(pid, 0)  # still alive: they ignored the first signal
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc, log, timeout=60)
+    assert time.monotonic() - t < 30
+    assert code == 137 and "launch: stopping on SIGTERM: process 0 exited with 137" in err, (code, err[-2000:])
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -173,13 +173,16 @@ class Rollout(RolloutConfig):
         gt=0,
     )
     reuse_aborted_kv: bool = key(
-        False, "jax engine: resume partial responses from their parked KV cache (no re-prefill)"
+        False,
+        "jax engine: resume partial responses from a side cache of their KV (no re-prefill); "
+        "takes the place of hold_aborted_kv",
     )
     hold_aborted_kv: bool = key(
-        False,
+        True,
         "jax engine: an aborted response's KV stays in its slot until the response "
-        "resumes there (no re-prefill, no copy) or the slot is needed; needs "
-        "free_kv_cache_in_train=false to survive the train step",
+        "resumes there (no re-prefill, no copy) or the slot is needed; survives the "
+        "train step only with free_kv_cache_in_train=false (else it is dropped there, "
+        "costing nothing)",
     )
     free_kv_cache_in_train: bool = key(
         True, "jax engine: free its KV cache during train steps (verl's free_cache_engine)"

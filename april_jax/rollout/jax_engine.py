@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from april_jax.models.qwen3 import KVCache, Qwen3
-from april_jax.rollout import engine_steps, sampling
+from april_jax.rollout import engine_steps, held_kv, sampling
 from april_jax.rollout.engine import TIMELINE_POINTS, EngineStats, PollingEngine
 from april_jax.rollout.engine_steps import bucket_for, length_buckets, pow2_at_least
 from april_jax.rollout.jax_slots import Slots
@@ -561,6 +561,28 @@ class JaxEngine(PollingEngine):
             self._next_token[slot] = request.prompt_ids[-1]
             self._stats["kv_reused"] += 1
         self._queue = waiting
+
+    def held_kv_state(self) -> dict | None:
+        """The held rows (slots, tokens, KV) as JSON, for a checkpoint; None when nothing is held
+        (or too much to save: held_kv.MAX_SAVED_BYTES)."""
+        return held_kv.snapshot(self._cache, list(self._held_order.items()))
+
+    def restore_held_kv(self, state: dict | None) -> str | None:
+        """Hold again the rows of `held_kv_state()` (a resumed run: the engine fresh, nothing held);
+        why they do not fit this engine (its requests then re-prefill), or None."""
+        if not state or not self.hold_aborted_kv:
+            return None  # nothing saved, or a run resumed without holding: its requests re-prefill
+        if self._held_order or self._slots.slot_of or self._cache is None:
+            raise RuntimeError("JaxEngine.restore_held_kv: the engine must be fresh and awake")
+        problem = held_kv.check(state, self._cache)
+        if problem:
+            return problem
+        self._cache, held = held_kv.restore(self._cache, state)
+        for slot, key in held:
+            self._held.setdefault(key, []).append(slot)
+            self._held_order[slot] = key
+            self._held_mask[slot] = True
+        return None
 
     def release_held(self) -> None:
         """Drop every held row (their requests, if resumed, re-prefill). train.py calls it after a

@@ -102,7 +102,7 @@ def build_engine(c, model, max_model_len: int, version: int) -> EngineProtocol:
             samples_per_prompt=c.rollout.n_samples_per_prompt,
             free_kv_in_sleep=c.rollout.free_kv_cache_in_train,
             merge_padding_tokens=c.rollout.merge_padding_tokens,
-            hold_aborted_kv=c.rollout.hold_aborted_kv,
+            hold_aborted_kv=c.rollout.hold_aborted_kv and not c.rollout.reuse_aborted_kv,  # the side cache instead
             smallest_prefill_bucket=c.rollout.smallest_prefill_bucket,
         )
     if c.rollout.engine == "sim":

@@ -2,13 +2,14 @@
 
 The meta holds the steps done, the policy version, the skipped steps, the data position, the
 engine's RNG and the reward failure counts, APRIL's state (its partial buffer: the large part),
-and the config and model config a resume is checked against (runtime/checkpoints.py reads it).
+on a stop signal's checkpoint the KV rows the engine holds (rollout/held_kv.py), and the config and model config a resume is checked against (runtime/checkpoints.py reads it).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
 from collections.abc import Callable
 
 
@@ -19,6 +20,7 @@ class RunState:
         self.version = 0  # the policy version the engine generates with
         self.engine = None  # process 0's engine, once built (None elsewhere)
         self.engine_rng = None  # the engine's RNG state read back on resume, for the engine once built
+        self.engine_kv = None  # the KV rows it held, saved by a stop signal's checkpoint
 
     def meta(self, done_steps: int, with_april: bool = True) -> dict:
         """The checkpoint meta after `done_steps` steps (APRIL's state None unless `with_april`)."""
@@ -42,7 +44,11 @@ class RunState:
         """meta(done_steps) for a stop signal's save, should one come: all but APRIL's state now;
         APRIL's (the large part: the partial buffer's tokens) as a cheap copy, made a dict only if asked."""
         meta, frozen = self.meta(done_steps, with_april=False), frozen_copy(self.april)
-        return lambda: dict(meta, april=frozen.state_dict())
+        # the KV of the responses the engine holds now, as the uninterrupted run resumes them
+        # (scheduled checkpoints release it instead: train.py)
+        held = self.engine.held_kv_state() if hasattr(self.engine, "held_kv_state") else None
+        extra = {"engine_kv": held} if held else {}
+        return lambda: dict(meta, april=frozen.state_dict(), **extra)
 
     def restore(self, meta: dict) -> None:
         """Continue from a checkpoint's meta (the params and optimiser state are restored apart)."""
@@ -54,11 +60,17 @@ class RunState:
         self.reward.failures = int(rng.get("reward_failures", 0))
         self.reward.timeouts = int(rng.get("reward_timeouts", 0))
         self.engine_rng = rng.get("engine")
+        self.engine_kv = meta.get("engine_kv")
 
     def attach_engine(self, engine) -> None:
         """Process 0's engine: it continues from the restored RNG state, and saves its own from now on."""
         self.engine = engine
         engine.set_rng_state(self.engine_rng)
+        if self.engine_kv and hasattr(engine, "restore_held_kv"):
+            problem = engine.restore_held_kv(self.engine_kv)
+            if problem:
+                print(f"warning: {problem}; the responses it held re-prefill", file=sys.stderr)
+        self.engine_kv = None
 
 
 def frozen_copy(april):
