@@ -12,10 +12,11 @@ on the 100 held-out problems (no arithmetic combination of them is trained on) i
 step 0 and every `eval.every` steps (`eval/accuracy` in metrics.jsonl; `python -m april_jax.cli.plot
 WORKDIR` draws it beside the training reward).
 
-Measured on the project's shared 2-core VM (load average 2-7 from other jobs, so times are upper
-bounds), greedy eval accuracy at steps 0 / 4 / 8 / 12:
-seed 0: 0.32 / 0.42 / 0.42 / 0.49, 16.6 minutes start to end (step 0, compiling most programs: 5.2 min);
-seed 1: 0.32 / 0.46 / 0.51 / 0.52, 19.3 minutes (step 0 from the compile cache: 2.1 min; heavier load).
+Measured (run, idle 2-core VM, `python -m benchmarks.april_vs_sync --config configs/smollm2_rl.py
+--seeds 2,0,1`, compile cache off), greedy eval accuracy at versions 0 / 4 / 8 / 12:
+seed 2: APRIL 0.32 / 0.18 / 0.23 / 0.22 (13.4 min); sync 0.32 / 0.37 / 0.42 / 0.51 (12.3 min);
+seed 0: APRIL 0.32 / 0.37 / 0.35 / 0.47 (13.1 min); sync 0.32 / 0.35 / 0.45 / 0.47 (11.6 min);
+seed 1: APRIL 0.32 / 0.40 / 0.44 / 0.45 (13.6 min); sync 0.32 / 0.46 / 0.45 / 0.51 (11.7 min).
 """
 
 from april_jax.config import default_config
