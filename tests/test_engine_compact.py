@@ -5,7 +5,7 @@ full-batch path, separate prefills, and transformers greedy."""
 import numpy as np
 import pytest
 
-from april_jax.rollout import engine_steps
+from april_jax.rollout import engine_steps, held_kv
 from april_jax.rollout.jax_engine import JaxEngine, merge_buckets
 from april_jax.rollout.types import Request, SamplingParams
 from engine_utils import GREEDY, transformers_greedy
@@ -245,10 +245,10 @@ def test_held_rows_give_way_to_new_requests_oldest_first(tiny_reference, resumed
 
 
 def test_held_rows_saved_as_json_resume_bit_for_bit_in_a_fresh_engine(tiny_reference, resumed_groups):
-    """held_kv_state() through JSON into a fresh engine (a run resumed from a stop signal's
+    """The held rows through JSON into a fresh engine (a run resumed from a stop signal's
     checkpoint): the resumed requests continue in the same slots without a prefill, and their
     tokens and logprobs equal the original engine's exactly; a state that does not fit (another
-    slot count) is refused with a reason and nothing held."""
+    slot count, torn bytes) is refused with a reason and nothing held."""
     import json
 
     _, model = tiny_reference
@@ -264,7 +264,7 @@ def test_held_rows_saved_as_json_resume_bit_for_bit_in_a_fresh_engine(tiny_refer
     )
     engine = make()
     partials = cut_and_abort(engine, prompts, steps=2)
-    state = json.loads(json.dumps(engine.held_kv_state()))
+    state = json.loads(json.dumps(held_kv.to_json(engine.held_kv_snapshot())))
     assert sorted(state["slots"]) == sorted(engine._held_order) and len(state["slots"]) == 8
     rng = engine.rng_state()
     want = engine.generate(resumed(prompts, partials))
@@ -281,6 +281,9 @@ def test_held_rows_saved_as_json_resume_bit_for_bit_in_a_fresh_engine(tiny_refer
 
     small = make(slots=4)
     assert "do not fit" in small.restore_held_kv(state) and not small._held_order
+    torn = dict(state, k=[dict(state["k"][0], data=state["k"][0]["data"][:-8])] + state["k"][1:])
+    fresh = make()
+    assert "unreadable" in fresh.restore_held_kv(torn) and not fresh._held_order
 
 
 def test_decode_runs_in_place_when_every_slot_is_in_the_call(tiny_reference, workload):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,8 +36,9 @@ def _decode(d: dict) -> np.ndarray:
 
 
 def snapshot(cache: KVCache, held: list[tuple[int, tuple[int, ...]]]) -> dict | None:
-    """The rows `held` ((slot, token ids), oldest first) of `cache` as a JSON-able dict; None when
-    nothing is held or the rows exceed MAX_SAVED_BYTES."""
+    """The rows `held` ((slot, token ids), oldest first) of `cache`, copied to host memory (the
+    cache moves on; `to_json` encodes the copy only if a checkpoint needs it); None when nothing is
+    held or the rows exceed MAX_SAVED_BYTES."""
     if not held or cache is None:
         return None
     slots = np.array([slot for slot, _ in held], np.int32)
@@ -53,9 +53,14 @@ def snapshot(cache: KVCache, held: list[tuple[int, tuple[int, ...]]]) -> dict | 
         "slots": slots.tolist(),
         "tokens": [list(tokens) for _, tokens in held],
         "lengths": lengths.tolist(),
-        "k": [_encode(x) for x in k],
-        "v": [_encode(x) for x in v],
+        "k": k,
+        "v": v,
     }
+
+
+def to_json(snap: dict) -> dict:
+    """A `snapshot` as JSON: the arrays as base64 of their bytes with dtype and shape."""
+    return dict(snap, k=[_encode(x) for x in snap["k"]], v=[_encode(x) for x in snap["v"]])
 
 
 def check(state: dict, cache: KVCache) -> str | None:
@@ -89,6 +94,6 @@ def restore(cache: KVCache, state: dict) -> tuple[KVCache, list[tuple[int, tuple
         tuple(jnp.asarray(_decode(d)) for d in state["v"]),
         jnp.asarray(np.array(state["lengths"], np.int32)),
     )
-    cache = cache.put_rows(slots, saved)
-    jax.block_until_ready(cache.lengths_B)
-    return cache, [(int(s), tuple(int(t) for t in tokens)) for s, tokens in zip(slots, state["tokens"])]
+    return cache.put_rows(slots, saved), [
+        (int(s), tuple(int(t) for t in tokens)) for s, tokens in zip(slots, state["tokens"])
+    ]

@@ -562,13 +562,13 @@ class JaxEngine(PollingEngine):
             self._stats["kv_reused"] += 1
         self._queue = waiting
 
-    def held_kv_state(self) -> dict | None:
-        """The held rows (slots, tokens, KV) as JSON, for a checkpoint; None when nothing is held
-        (or too much to save: held_kv.MAX_SAVED_BYTES)."""
+    def held_kv_snapshot(self) -> dict | None:
+        """The held rows (slots, tokens, KV) copied to host memory; `held_kv.to_json` makes it a
+        checkpoint's. None when nothing is held (or too much to save: held_kv.MAX_SAVED_BYTES)."""
         return held_kv.snapshot(self._cache, list(self._held_order.items()))
 
     def restore_held_kv(self, state: dict | None) -> str | None:
-        """Hold again the rows of `held_kv_state()` (a resumed run: the engine fresh, nothing held);
+        """Hold again the rows of `held_kv.to_json(held_kv_snapshot())` (a resumed run: the engine fresh, nothing held);
         why they do not fit this engine (its requests then re-prefill), or None."""
         if not state or not self.hold_aborted_kv:
             return None  # nothing saved, or a run resumed without holding: its requests re-prefill
@@ -577,7 +577,10 @@ class JaxEngine(PollingEngine):
         problem = held_kv.check(state, self._cache)
         if problem:
             return problem
-        self._cache, held = held_kv.restore(self._cache, state)
+        try:
+            self._cache, held = held_kv.restore(self._cache, state)
+        except (ValueError, KeyError, TypeError) as e:  # bad base64, bytes that do not fill the shape
+            return f"held KV: unreadable ({e})"
         for slot, key in held:
             self._held.setdefault(key, []).append(slot)
             self._held_order[slot] = key

@@ -2,7 +2,8 @@
 
 The meta holds the steps done, the policy version, the skipped steps, the data position, the
 engine's RNG and the reward failure counts, APRIL's state (its partial buffer: the large part),
-on a stop signal's checkpoint the KV rows the engine holds (rollout/held_kv.py), and the config and model config a resume is checked against (runtime/checkpoints.py reads it).
+on a stop signal's checkpoint the KV rows the engine holds (rollout/held_kv.py), and the config
+and model config a resume is checked against (runtime/checkpoints.py reads it).
 """
 
 from __future__ import annotations
@@ -46,9 +47,15 @@ class RunState:
         meta, frozen = self.meta(done_steps, with_april=False), frozen_copy(self.april)
         # the KV of the responses the engine holds now, as the uninterrupted run resumes them
         # (scheduled checkpoints release it instead: train.py)
-        held = self.engine.held_kv_state() if hasattr(self.engine, "held_kv_state") else None
-        extra = {"engine_kv": held} if held else {}
-        return lambda: dict(meta, april=frozen.state_dict(), **extra)
+        held = self.engine.held_kv_snapshot() if hasattr(self.engine, "held_kv_snapshot") else None
+
+        def signal_meta() -> dict:
+            from april_jax.rollout import held_kv
+
+            extra = {"engine_kv": held_kv.to_json(held)} if held else {}
+            return dict(meta, april=frozen.state_dict(), **extra)
+
+        return signal_meta
 
     def restore(self, meta: dict) -> None:
         """Continue from a checkpoint's meta (the params and optimiser state are restored apart)."""
