@@ -16,6 +16,7 @@ from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
 from april_jax.rollout.vllm.engine import VllmEngine
 from april_jax.rollout.vllm.server import VllmServer, group_pids
+from vllm_servers import SERVER_MAX_MODEL_LEN
 
 pytestmark = pytest.mark.slow  # the session's pair of vLLM servers
 
@@ -32,7 +33,7 @@ def cluster(vllm_cluster):
 
 @pytest.fixture(scope="module")
 def engine(vllm_tiny, vllm_cluster):
-    eng = vllm_cluster.engine()
+    eng = vllm_cluster.engine(max_model_len=SERVER_MAX_MODEL_LEN)
     eng.update_weights(nnx.state(vllm_tiny[1]), 0)  # the checkpoint's weights, whatever ran on the servers before
     yield eng
     eng.shutdown()
@@ -55,42 +56,46 @@ def metric(server, key, name):
     return sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(name + "{") or l.startswith(name + " "))
 
 
-def two_stream_on_each_server(engine, ids, timeout=120.0) -> bool:
-    """Wait until each server streams tokens for two of `ids` at once: True. False as soon as one
-    of them ends before that (the servers did not run their requests side by side: a server that
-    lagged, its core busy for a moment, or both servers' workers on one core, as with vLLM's auto
-    binding, where one server's requests wait for the other's); the caller tries another round."""
+def streaming_on(engine, assigned, urls, timeout=120.0) -> bool:
+    """Wait until each of `urls` streams tokens for one of its `assigned` requests ({id: url})
+    that is still running: True. False as soon as every request of one of them has ended before
+    that: the servers did not overlap (one lagged, its core busy for a moment, or both servers'
+    workers on one core, as with vLLM's auto binding); the caller tries another round."""
     deadline = time.time() + timeout
     while True:
         with engine._lock:
-            live = {rid: st["url"] for rid, st in engine._live.items() if rid in ids}
-            streaming = collections.Counter(
-                st["url"] for rid, st in engine._live.items() if rid in ids and st["tokens"]
-            )
-        if all(streaming[url] == 2 for url in engine.urls):
+            live = {rid for rid in assigned if rid in engine._live}
+            streaming = {assigned[rid] for rid in live if engine._live[rid]["tokens"]}
+        if all(url in streaming for url in urls):
             return True
-        if len(live) < len(ids):
-            print(
-                f"{sorted(set(ids) - set(live))} finished before two requests streamed on each server "
-                f"(streaming per server: {dict(streaming)}); another round"
-            )
+        idle = [url for url in urls if not any(assigned[rid] == url for rid in live)]
+        if idle:
+            print(f"every request on {idle} ended before each server streamed one; another round")
             return False
-        assert time.time() < deadline, f"not two streaming on each server after {timeout:.0f}s: {dict(streaming)}"
+        assert time.time() < deadline, f"not streaming on each of {urls} after {timeout:.0f}s: {streaming}"
         time.sleep(0.005)
 
 
-def side_by_side(engine, requests_for, rounds=4):
-    """Submit `requests_for(round)` (four requests, two per server) until a round has two
-    streaming on each server at once; returns that round's requests. A round that missed is
-    aborted and drained first. Fails when every round missed (the servers never overlap)."""
+def submit_side_by_side(engine, requests, urls) -> dict | None:
+    """Submit `requests` (round robin over the servers) and wait until a request is streaming
+    and still running on each of `urls` at once: their {id: url}. None when that did not happen
+    (the requests are then aborted and drained)."""
+    engine.submit(requests)
+    with engine._lock:
+        assigned = {r.request_id: engine._live[r.request_id]["url"] for r in requests if r.request_id in engine._live}
+    if len(assigned) == len(requests) and streaming_on(engine, assigned, urls):
+        return assigned
+    engine.abort_all()
+    assert not engine.has_unfinished()
+    return None
+
+
+def side_by_side(engine, requests_for, urls, rounds=6):
+    """`submit_side_by_side` with `requests_for(round)` until a round overlaps; fails when none did."""
     for attempt in range(rounds):
-        requests = requests_for(attempt)
-        engine.submit(requests)
-        if two_stream_on_each_server(engine, {r.request_id for r in requests}):
-            return requests
-        engine.abort_all()
-        assert not engine.has_unfinished()
-    pytest.fail(f"in {rounds} rounds one request always finished before two streamed on each server")
+        if (assigned := submit_side_by_side(engine, requests_for(attempt), urls)) is not None:
+            return assigned
+    pytest.fail(f"in {rounds} rounds the servers {urls} never streamed side by side")
 
 
 def test_requests_are_spread_over_both_servers(vllm_tiny, cluster, engine):
@@ -103,33 +108,47 @@ def test_requests_are_spread_over_both_servers(vllm_tiny, cluster, engine):
     assert all(got[str(i)].token_ids == expected[str(i % len(PROMPTS))] for i in range(10))
 
 
+def settled(server, key, name) -> float:
+    """A counter once it stops moving: the API server can report a step's stats a moment late."""
+    value = metric(server, key, name)
+    while True:
+        time.sleep(0.3)
+        value, last = metric(server, key, name), value
+        if value == last:
+            return value
+
+
 def test_abort_reaches_both_servers(cluster, engine):
-    """Four long requests, two streaming on each server, aborted at once: each comes back as an
-    abort with part of its budget, and neither server runs anything afterwards. A server can lag
-    (its core busy with this process's compiles): when a request's last tokens beat the abort to
-    it (it ends "length" with all n tokens), the round did not test the abort, and runs again."""
+    """Four long requests, two on each server, aborted while each server streams one: every
+    request comes back as an abort with part of its budget (or, having ended on its own first,
+    with all of it), neither server runs anything afterwards, and each server generated fewer
+    tokens than its requests asked for: the abort cut them short on the server, not just in this
+    process. What this process has read can lag what a loaded server has made, so a round where
+    one server finished everything before the abort reached it runs again."""
     servers, key, _, _ = cluster
-    n = 480
-    for attempt in range(3):
-        requests = side_by_side(
-            engine,
-            lambda r, attempt=attempt: [Request(f"long{attempt}.{r}.{i}", PROMPTS[i], n, GREEDY) for i in range(4)],
-        )  # round robin: two on each
-        ids = [r.request_id for r in requests]
+    n = SERVER_MAX_MODEL_LEN - 8  # seconds of decoding even on an idle core
+    for attempt in range(6):
+        before = {s.url: settled(s, key, "vllm:generation_tokens_total") for s in servers}
+        requests = [Request(f"long{attempt}.{i}", PROMPTS[i], n, GREEDY) for i in range(4)]
+        if (assigned := submit_side_by_side(engine, requests, engine.urls)) is None:
+            continue
         aborted = engine.abort_all()
-        assert sorted(r.request_id for r in aborted) == ids
+        assert sorted(r.request_id for r in aborted) == sorted(assigned)
         got = {r.request_id: (r.finish_reason, len(r.token_ids)) for r in aborted}
-        if any(reason == "length" and count == n for reason, count in got.values()):
-            continue  # a lagging server: the other's requests ended on their own before the abort
-        assert all(reason == "abort" and 0 < count < n for reason, count in got.values()), got
-        break
-    else:
-        pytest.fail(f"in 3 rounds a request always ended before the abort reached it (last: {got})")
-    for server in servers:
-        deadline = time.time() + 10
-        while metric(server, key, "vllm:num_requests_running") > 0:
-            assert time.time() < deadline, f"{server.url} still runs aborted requests"
-            time.sleep(0.1)
+        assert all(
+            (reason == "abort" and count < n) or (reason == "length" and count == n) for reason, count in got.values()
+        ), got
+        for server in servers:
+            deadline = time.time() + 10
+            while metric(server, key, "vllm:num_requests_running") > 0:
+                assert time.time() < deadline, f"{server.url} still runs aborted requests"
+                time.sleep(0.1)
+        made = {s.url: settled(s, key, "vllm:generation_tokens_total") - before[s.url] for s in servers}
+        asked = collections.Counter(assigned.values())
+        if all(made[url] < asked[url] * n for url in made):
+            return
+        print(f"round {attempt}: a server made every token before the abort reached it ({made}); another round")
+    pytest.fail("in 6 rounds a server always finished its requests before the abort reached it")
 
 
 def test_weight_sync_reaches_both_servers(vllm_tiny, cluster, engine):
@@ -155,15 +174,17 @@ def test_a_server_lost_mid_rollout_is_recovered(vllm_tiny, cluster, engine):
     scaled = nnx.merge(nnx.graphdef(model), jax.tree.map(lambda x: x * 1.3, nnx.state(model)))
     expected = jax_greedy(scaled, n)
     victim = servers[0]
-    requests = side_by_side(engine, lambda r: [Request(f"{r}.{i}", p, n, GREEDY) for i, p in enumerate(PROMPTS[:4])])
+    requests_for = lambda r: [Request(f"{r}.{i}", p, n, GREEDY) for i, p in enumerate(PROMPTS[:4])]  # noqa: E731
+    assigned = side_by_side(engine, requests_for, [victim.url])  # killed while it streams
     os.killpg(victim.proc.pid, signal.SIGKILL)  # the whole server: sidecar, API server, engine core, worker
     victim.proc.wait()
     got = {r.request_id: r for r in engine.run()}
     stats = engine.stats()
     assert stats.servers_lost == 1 and stats.resumed_after_failure >= 1
-    for i, request in enumerate(requests):
-        out = got[request.request_id]
-        assert out.token_ids == expected[str(i)] and out.finish_reason == "length", request.request_id
+    assert sorted(got) == sorted(assigned)
+    for rid in assigned:
+        out = got[rid]
+        assert out.token_ids == expected[rid.split(".")[1]] and out.finish_reason == "length", rid
 
     # the operator restarts it on its address: it rejoins with the latest weights
     deadline = time.time() + 10

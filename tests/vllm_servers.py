@@ -27,7 +27,8 @@ from hf_utils import save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("APRIL_JAX_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python"))
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 512  # an engine's default here
+SERVER_MAX_MODEL_LEN = 2048  # room for requests that run for seconds even on a fast, idle core
 MAX_NUM_SEQS = 4  # per server
 
 
@@ -62,7 +63,7 @@ class Cluster:
         self.transport = weights.make_transport_dir("/dev/shm")  # 0700, named after this process
         self.kw = dict(
             python=vllm_python(),
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=SERVER_MAX_MODEL_LEN,
             max_num_seqs=MAX_NUM_SEQS,
             api_key=self.key,
             transport_dir=self.transport,
@@ -93,14 +94,8 @@ class Cluster:
 
     def engine(self, urls=None, **kw) -> VllmEngine:
         """An engine attached to `urls` (default: every server)."""
-        return VllmEngine(
-            urls=urls or self.urls,
-            api_key=self.key,
-            shared_dir=self.transport,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_seqs=MAX_NUM_SEQS,
-            **kw,
-        )
+        kw = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS, **kw}
+        return VllmEngine(urls=urls or self.urls, api_key=self.key, shared_dir=self.transport, **kw)
 
     def stop(self) -> None:
         for server in self.servers:
