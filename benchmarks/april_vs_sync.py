@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/april_vs_sync", help="workdirs of the runs")
     ap.add_argument("--png", default="benchmarks/april_vs_sync.png")
     ap.add_argument("--reuse", action="store_true", help="summarize the finished runs in --out, train none")
+    ap.add_argument("--modes", default="april,sync", help="train these modes; the others' finished runs in --out are read")
     args, overrides = ap.parse_known_args()
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -181,7 +182,7 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for mode, extra in (("april", []), ("sync", sync)):
             workdir = out / f"{mode}_seed{seed}"
-            if args.reuse:
+            if args.reuse or mode not in args.modes.split(","):
                 if not (workdir / "benchmark_run.json").exists():
                     sys.exit(f"error: --reuse: {workdir} holds no finished run (no benchmark_run.json)")
                 timing = json.loads((workdir / "benchmark_run.json").read_text())

@@ -66,6 +66,24 @@ def vllm_cluster(vllm_tiny, tmp_path_factory):
     _cluster_state["cluster"] = None
 
 
+class _OneWorkerPerModule:
+    """Under `-n N --dist loadgroup` (pyproject.toml's default) a module runs on one worker, so
+    its module-scoped fixtures compile once, and every module that uses the vLLM servers runs on
+    the same worker, so the pair starts once."""
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+    def pytest_collection_modifyitems(self, session, config, items):
+        uses_cluster = {item.module.__name__ for item in items if _CLUSTER_FIXTURE in getattr(item, "fixturenames", ())}
+        for item in items:
+            module = getattr(item, "module", None)
+            name = module.__name__ if module is not None else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group("vllm_cluster" if name in uses_cluster else name))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_OneWorkerPerModule(), "april_jax_test_groups")
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection
 def pytest_collection_modifyitems(session, config, items):
     users = [item for item in items if _CLUSTER_FIXTURE in getattr(item, "fixturenames", ())]

@@ -116,6 +116,36 @@ def test_resumed_members_share_one_prompt_prefill(tiny_reference, resumed_groups
     assert separate_stats.prefill_tokens == 4 * sum(map(len, prompts)) + partial_tokens
 
 
+def test_members_started_after_their_siblings_copy_the_prompt_instead_of_prefilling(tiny_reference):
+    """Four slots, two groups of four with budgets that end at different steps: later members
+    start while a sibling still runs, copy its prompt's KV and decode from the prompt's last
+    token. Same tokens (greedy and seeded sampling) and logprobs as prefilling every prompt,
+    and transformers' greedy tokens."""
+    ref, model = tiny_reference
+    rs = np.random.RandomState(3)
+    prompts = [rs.randint(0, 160, size=n).tolist() for n in (23, 41)]
+    requests = [
+        Request(f"{g}/{j}", p, [5, 30, 12, 20][j], GREEDY if j % 2 == 0 else SamplingParams(1.0, seed=10 * g + j))
+        for g, p in enumerate(prompts)
+        for j in range(4)
+    ]
+    out = {}
+    for copy in (True, False):
+        engine = JaxEngine(model, max_num_seqs=4, max_model_len=MAX_LEN, decode_steps_per_call=4, copy_prompt_kv=copy)
+        out[copy] = engine.generate(requests), engine.stats()
+    (copied, copied_stats), (prefilled, prefilled_stats) = out[True], out[False]
+    for r in requests:
+        assert copied[r.request_id].token_ids == prefilled[r.request_id].token_ids, r.request_id
+        np.testing.assert_allclose(copied[r.request_id].logprobs, prefilled[r.request_id].logprobs, atol=1e-5)
+    for r in requests[::2]:
+        assert copied[r.request_id].token_ids == transformers_greedy(ref, r.prompt_ids, r.max_new_tokens), r.request_id
+    assert copied_stats.prompt_copies >= 2 and prefilled_stats.prompt_copies == 0
+    assert copied_stats.tokens_generated == prefilled_stats.tokens_generated
+    # each copy is a prompt not prefilled (every prompt of a group has one length)
+    saved = prefilled_stats.prefill_tokens - copied_stats.prefill_tokens
+    assert saved >= copied_stats.prompt_copies * min(map(len, prompts)) > 0
+
+
 def test_greedy_resume_from_a_shared_prefix_continues_the_uninterrupted_run(tiny_reference, resumed_groups):
     ref, model = tiny_reference
     prompts, _, cut = resumed_groups
@@ -345,6 +375,7 @@ def test_a_larger_smallest_prefill_bucket_pads_prompts_and_keeps_tokens(tiny_ref
         np.testing.assert_allclose(large[r.request_id].logprobs, small[r.request_id].logprobs, atol=1e-5)
 
 
+@pytest.mark.slow  # compiles every bucket program: ~20-40 s on 2 cores
 def test_warmup_leaves_nothing_to_trace_for_a_run(tiny_reference, workload):
     """After `warmup`, serving traces no prefill or decode program: the programs it compiled are
     called with the same static arguments (a retrace costs seconds on a real model, even when the

@@ -189,6 +189,7 @@ def test_long_sequence_block_causal_attention_matches_transformers(tmp_path, T):
     assert np.abs(blocked - dense).max() <= 1e-5
 
 
+@pytest.mark.slow  # two compiles of a 4-layer forward and backward: ~15-25 s each on 2 cores
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_keeps_loss_and_gradients(policy):
     cfg = Qwen3Config(

@@ -10,6 +10,7 @@
   (`num_positions`): attention reads no idle slot and no position past the bucket; only the new
   positions are written back into the engine's cache. The loop stops early once every row has
   ended (at its stop token or length limit, the rules the host applies).
+- `copy_rows`: slots that start from a prompt another slot already holds take a copy of that row.
 
 Shapes are static per (rows bucket, length bucket, mode), so each program compiles once per bucket;
 `TRACES` counts the traces (= compiles) per program, which the tests read.
@@ -150,10 +151,24 @@ def decode(
     return cache, tokens_KB, logprobs_KB, active_KB
 
 
+def copy_rows(cache: KVCache, src_N, dst_N, lengths_N) -> KVCache:
+    """Copy whole rows `src_N` into rows `dst_N` and set their valid lengths to `lengths_N`:
+    a request starts from a prompt another slot already holds. Padding pairs carry dst = #slots
+    and are dropped."""
+    TRACES["copy_rows"] += 1
+    src_N = jnp.minimum(src_N, cache.lengths_B.shape[0] - 1)
+    return KVCache(
+        tuple(k.at[dst_N].set(k[src_N], mode="drop") for k in cache.k),
+        tuple(v.at[dst_N].set(v[src_N], mode="drop") for v in cache.v),
+        cache.lengths_B.at[dst_N].set(lengths_N, mode="drop"),
+    )
+
+
 class Programs(NamedTuple):
     prefill: callable
     extend: callable
     decode: callable
+    copy_rows: callable
 
 
 @functools.lru_cache(maxsize=16)
@@ -164,7 +179,10 @@ def compiled(graphdef) -> Programs:
         partial(f, graphdef), static_argnames=("mode", *static), donate_argnames=("cache",)
     )
     return Programs(
-        jit(prefill), jit(extend, "num_positions"), jit(decode, "num_positions", "steps_per_call", "in_place")
+        jit(prefill),
+        jit(extend, "num_positions"),
+        jit(decode, "num_positions", "steps_per_call", "in_place"),
+        jax.jit(copy_rows, donate_argnames=("cache",)),
     )
 
 

@@ -74,6 +74,7 @@ class JaxEngineStats(EngineStats):
     kv_parked: int  # aborted rows parked (reuse_aborted_kv)
     kv_reused: int  # resumes that took a parked row instead of a re-prefill
     kv_evicted: int  # parked rows dropped for newer ones
+    prompt_copies: int  # requests that copied a busy or held slot's prompt KV instead of prefilling it
 
 
 def default_cache_dtype(cfg) -> jnp.dtype:
@@ -123,6 +124,7 @@ class JaxEngine(PollingEngine):
         merge_padding_tokens: int = 0,
         hold_aborted_kv: bool = False,
         smallest_prefill_bucket: int = 16,
+        copy_prompt_kv: bool = True,
     ):
         if reuse_aborted_kv and hold_aborted_kv:
             raise ValueError("JaxEngine: reuse_aborted_kv and hold_aborted_kv are two ways of the same thing; pick one")
@@ -174,6 +176,9 @@ class JaxEngine(PollingEngine):
         # resumes it there (no device call at all) or its slot is needed (oldest first). Held rows
         # are lost when `sleep` frees the cache.
         self.hold_aborted_kv = hold_aborted_kv
+        # A request whose prompt a busy or held slot already holds (a group member started after
+        # its siblings) copies that row instead of prefilling the prompt again.
+        self.copy_prompt_kv = copy_prompt_kv
         self._held: dict[tuple, list[int]] = {}  # tokens -> the slots holding them (identical partials: several)
         self._held_order: collections.OrderedDict[int, tuple] = (
             collections.OrderedDict()
@@ -334,6 +339,10 @@ class JaxEngine(PollingEngine):
                     steps_per_call=self.decode_steps_per_call,
                     in_place=True,
                 )
+        if self.copy_prompt_kv:
+            for rows in self._batch_buckets():
+                z = np.zeros(rows, np.int32)
+                self._cache = P.copy_rows(self._cache, z, np.full(rows, S, np.int32), z)
         self._cache = self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32))
 
     def sleep(self) -> None:
@@ -385,6 +394,7 @@ class JaxEngine(PollingEngine):
             engine_s=s["engine_s"],
             host_s=s["engine_s"] - s["model_s"],
             kv_cache_bytes=0 if self._cache is None else sum(x.nbytes for x in jax.tree.leaves(self._cache)),
+            prompt_copies=s["prompt_copies"],
             **{
                 f"kv_{name}": getattr(self._parking, name, 0) + s[f"kv_{name}"]
                 for name in ("parked", "reused", "evicted")
@@ -439,7 +449,10 @@ class JaxEngine(PollingEngine):
         prefix (resumed members) then take those tokens in one extend call per suffix bucket."""
         if self._parking is not None and len(self._parking):
             starting = self._restore_parked(starting)
-        by_bucket, suffixed = collections.defaultdict(list), []
+        suffixed = []
+        if self.copy_prompt_kv and (self._slots.active.any() or self._held_order):
+            starting, suffixed = self._copy_resident_prompts(starting)
+        by_bucket = collections.defaultdict(list)
         for item in starting:
             prompt, p = item[1].prompt_ids, item[1].shared_prefix_len
             prefix_len = p if 0 < p < len(prompt) else len(prompt)
@@ -542,6 +555,52 @@ class JaxEngine(PollingEngine):
             self._next_token[slot] = request.prompt_ids[-1]  # its KV is not in the row yet
         restored = {slot for slot, _, _ in parked}
         return [item for item in starting if item[0] not in restored]
+
+    def _copy_resident_prompts(self, starting):
+        """Requests whose prompt a busy or held slot already holds copy that row instead of
+        prefilling: a whole prompt's last token becomes the first decode input (as a held row
+        resumes); a resumed member (the group's prompt + its partial response,
+        `Request.shared_prefix_len`) copies the group's prompt and extends its own suffix.
+        Returns (the requests still to prefill, the copied ones to extend)."""
+        s = self._slots
+
+        def wanted(request):  # (prompt positions to find, positions the copy keeps)
+            prompt, p = request.prompt_ids, request.shared_prefix_len
+            return (p, p) if 0 < p < len(prompt) else (len(prompt), len(prompt) - 1)
+
+        lengths = {wanted(request)[0] for _, request, _ in starting}
+        rows = [(int(i), s.token_ids(int(i)), int(s.prompt_len[i] + s.steps[i]) - 1) for i in np.flatnonzero(s.active)]
+        rows += [(slot, key, len(key) - 1) for slot, key in self._held_order.items()]
+        resident: dict[tuple, int] = {}  # prompt -> a slot whose row holds its KV
+        for slot, tokens, cached in rows:
+            for n in lengths:
+                if cached >= n:
+                    resident.setdefault(tokens[:n], slot)
+        copies, rest, suffixed = [], [], []
+        for slot, request, seed in starting:
+            n, keep = wanted(request)
+            source = resident.get(request.prompt_ids[:n]) if n >= 2 else None
+            if source is None:
+                rest.append((slot, request, seed))
+                continue
+            copies.append((source, slot, keep))
+            if keep == n:  # the suffix follows in an extend call, which samples the first token
+                s.start(slot, request, seed, 1)
+                suffixed.append((slot, request, seed, n))
+            else:
+                s.start(slot, request, seed, 0)
+                self._next_token[slot] = request.prompt_ids[-1]
+        if copies:
+            rows_N = pow2_at_least(len(copies), self.max_num_seqs)
+            src, dst, keep = (
+                np.zeros(rows_N, np.int32),
+                np.full(rows_N, self.max_num_seqs, np.int32),
+                np.zeros(rows_N, np.int32),
+            )
+            src[: len(copies)], dst[: len(copies)], keep[: len(copies)] = zip(*copies)
+            self._cache = self._device(self._programs.copy_rows, self._cache, src, dst, keep)
+            self._stats["prompt_copies"] += len(copies)
+        return rest, suffixed
 
     def _resume_held(self) -> None:
         """Queued requests whose prompt is exactly a held row's tokens continue in that slot: its
