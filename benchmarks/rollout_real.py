@@ -225,6 +225,7 @@ def run_mode(mode: str, engine, params, prompts, cfg: RolloutConfig, args) -> di
         "occupancy": round((s1.busy_slot_steps - s0.busy_slot_steps) / (steps * s1.slots), 3) if steps else 0.0,
         "time_split_s": split,
         "prefill_tokens": s1.prefill_tokens - s0.prefill_tokens,
+        "prompt_copies": getattr(s1, "prompt_copies", 0) - getattr(s0, "prompt_copies", 0),  # JAX engine only
         "warmup": {"steps": w, **rate(parts["warmup"])},
         "wall_s": round(time.perf_counter() - wall0, 1),
     }

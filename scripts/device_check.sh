@@ -84,7 +84,9 @@ step() {
 
 say "mode $MODE, python $PY, budget ${BUDGET}s, out $OUT"
 step env 60 "$PY" -m benchmarks.gpu_summary env
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py)
+# One process on the one GPU (pyproject's addopts start two xdist workers, and a GPU machine's
+# preinstalled Python may lack pytest-xdist).
+PYTEST=("$PY" -m pytest -o "addopts=-ra" -q -p no:cacheprovider -m gpu tests/test_gpu.py)
 # Tests share the GPU with a torch receiver process: JAX takes memory as it needs it.
 step tests_gpu 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false "${PYTEST[@]}" --junitxml="$WORK/junit_gpu.xml"
 if ((DRY)) && [[ ${DEVICE_CHECK_CPU_TWIN:-0} == 1 ]]; then

@@ -146,6 +146,24 @@ def test_members_started_after_their_siblings_copy_the_prompt_instead_of_prefill
     assert saved >= copied_stats.prompt_copies * min(map(len, prompts)) > 0
 
 
+def test_a_prompt_is_copied_only_from_a_row_the_current_weights_computed(tiny_reference):
+    """A held row's prompt KV serves a sibling that starts later, until a weight update: then the
+    sibling prefills (vLLM likewise resets its prefix cache when the weights change)."""
+    _, model = tiny_reference
+    prompt = list(range(3, 40))
+    copies = {}
+    for update in (False, True):
+        engine = JaxEngine(model, max_num_seqs=4, max_model_len=MAX_LEN, hold_aborted_kv=True)
+        engine.submit([Request("first", prompt, 30, GREEDY)])
+        engine.step()
+        assert [r.finish_reason for r in engine.abort_all()] == ["abort"]  # its row is held
+        if update:
+            engine.update_weights(engine._state, engine.policy_version + 1)
+        engine.generate([Request("later", prompt, 4, GREEDY)])
+        copies[update] = engine.stats().prompt_copies
+    assert copies == {False: 1, True: 0}
+
+
 def test_greedy_resume_from_a_shared_prefix_continues_the_uninterrupted_run(tiny_reference, resumed_groups):
     ref, model = tiny_reference
     prompts, _, cut = resumed_groups

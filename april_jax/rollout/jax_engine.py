@@ -179,6 +179,9 @@ class JaxEngine(PollingEngine):
         # A request whose prompt a busy or held slot already holds (a group member started after
         # its siblings) copies that row instead of prefilling the prompt again.
         self.copy_prompt_kv = copy_prompt_kv
+        # The policy version whose weights computed each slot's prompt KV (-1: unknown): a copy
+        # is taken only from the current weights', as vLLM resets its prefix cache on a weight update.
+        self._prompt_kv_version = np.full(max_num_seqs, -1, np.int64)
         self._held: dict[tuple, list[int]] = {}  # tokens -> the slots holding them (identical partials: several)
         self._held_order: collections.OrderedDict[int, tuple] = (
             collections.OrderedDict()
@@ -481,6 +484,7 @@ class JaxEngine(PollingEngine):
             source[: len(items)] = [prefixes[request.prompt_ids[:n]] for _, request, _, n in items]
             for slot, request, seed, _ in items:
                 slots.start(slot, request, seed, 1)
+                self._prompt_kv_version[slot] = self.policy_version
             args = self._sampling_args(slot_M[: len(items)], rows)
             # Host arrays go to the jitted call as numpy: its C++ path transfers them ~5x faster
             # than jnp.asarray.
@@ -552,6 +556,7 @@ class JaxEngine(PollingEngine):
         self._cache = self._device(self._parking.restore, self._cache, [(s, r.prompt_ids) for s, r, _ in parked])
         for slot, request, seed in parked:
             self._slots.start(slot, request, seed, 0)
+            self._prompt_kv_version[slot] = -1  # parked under weights since replaced, maybe
             self._next_token[slot] = request.prompt_ids[-1]  # its KV is not in the row yet
         restored = {slot for slot, _, _ in parked}
         return [item for item in starting if item[0] not in restored]
@@ -569,8 +574,12 @@ class JaxEngine(PollingEngine):
             return (p, p) if 0 < p < len(prompt) else (len(prompt), len(prompt) - 1)
 
         lengths = {wanted(request)[0] for _, request, _ in starting}
-        rows = [(int(i), s.token_ids(int(i)), int(s.prompt_len[i] + s.steps[i]) - 1) for i in np.flatnonzero(s.active)]
-        rows += [(slot, key, len(key) - 1) for slot, key in self._held_order.items()]
+        current = self._prompt_kv_version == self.policy_version
+        rows = [
+            (int(i), s.token_ids(int(i)), int(s.prompt_len[i] + s.steps[i]) - 1)
+            for i in np.flatnonzero(s.active & current)
+        ]
+        rows += [(slot, key, len(key) - 1) for slot, key in self._held_order.items() if current[slot]]
         resident: dict[tuple, int] = {}  # prompt -> a slot whose row holds its KV
         for slot, tokens, cached in rows:
             for n in lengths:
@@ -584,6 +593,7 @@ class JaxEngine(PollingEngine):
                 rest.append((slot, request, seed))
                 continue
             copies.append((source, slot, keep))
+            self._prompt_kv_version[slot] = self.policy_version
             if keep == n:  # the suffix follows in an extend call, which samples the first token
                 s.start(slot, request, seed, 1)
                 suffixed.append((slot, request, seed, n))
@@ -641,6 +651,7 @@ class JaxEngine(PollingEngine):
         except (ValueError, KeyError, TypeError) as e:  # bad base64, bytes that do not fill the shape
             return f"held KV: unreadable ({e})"
         for slot, key in held:
+            self._prompt_kv_version[slot] = -1  # a checkpoint's: the weights that made it are not known here
             self._held.setdefault(key, []).append(slot)
             self._held_order[slot] = key
             self._held_mask[slot] = True
