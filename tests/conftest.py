@@ -68,16 +68,30 @@ def vllm_cluster(vllm_tiny, tmp_path_factory):
 
 class _OneWorkerPerModule:
     """Under `-n N --dist loadgroup` (pyproject.toml's default) a module runs on one worker, so
-    its module-scoped fixtures compile once, and every module that uses the vLLM servers runs on
-    the same worker, so the pair starts once."""
+    its module-scoped fixtures are made once, and every module that uses the vLLM servers runs on
+    the same worker, so the pair starts once. The group goes into the node id as pytest-xdist's
+    own `xdist_group` marks would put it ("<id>@<group>", what its loadgroup scheduler reads)."""
 
-    @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+    @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, session, config, items):
+        if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
+            return
         uses_cluster = {item.module.__name__ for item in items if _CLUSTER_FIXTURE in getattr(item, "fixturenames", ())}
         for item in items:
             module = getattr(item, "module", None)
             name = module.__name__ if module is not None else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group("vllm_cluster" if name in uses_cluster else name))
+            _set_node_id(item, f"{item.nodeid}@{'vllm_cluster' if name in uses_cluster else name}")
+
+
+def _set_node_id(item, node_id: str) -> None:
+    """pytest 9 keeps a structured node id (`_id`), which pytest-xdist 3.8's own `xdist_group`
+    renaming (`_nodeid`) misses; earlier pytest keeps the string."""
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(node_id)
+    else:
+        item._nodeid = node_id
 
 
 def pytest_configure(config):

@@ -282,6 +282,7 @@ def test_sleep_frees_the_kv_cache_and_parked_rows_survive_it(tiny_reference, pro
     assert kept.stats().kv_cache_bytes > 0  # off: sleep keeps the cache
 
 
+@pytest.mark.slow  # prompts of up to a few hundred tokens through transformers and every prefill block: ~15-20 s
 def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny_reference):
     """Prompts of 150-250 tokens prefill in buckets of 256 (4 query blocks, the masked ones skipped)."""
     ref, model = tiny_reference
@@ -296,7 +297,14 @@ def test_long_prompts_prefill_by_causal_blocks_and_match_transformers(tiny_refer
         )
 
 
-@pytest.mark.parametrize("cache_dtype,slots", [(None, SLOTS), (jnp.bfloat16, SLOTS), (None, 1)])
+@pytest.mark.parametrize(
+    "cache_dtype,slots",
+    [  # a bf16 model over SLOTS rows compiles slowly on CPU: ~15-20 s each on 2 cores
+        pytest.param(None, SLOTS, marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, SLOTS, marks=pytest.mark.slow),
+        (None, 1),
+    ],
+)
 def test_bf16_engine_logprobs_match_bf16_teacher_forcing(tiny_hf_checkpoint, prompts, cache_dtype, slots):
     """A bf16 model: the engine's logprobs against the same bf16 model's full forward. They differ
     by bf16 rounding only (keys and values are held exactly: the default cache on CPU is fp32, the
