@@ -166,7 +166,9 @@ def main() -> None:
     ap.add_argument("--out", default="runs/april_vs_sync", help="workdirs of the runs")
     ap.add_argument("--png", default="benchmarks/april_vs_sync.png")
     ap.add_argument("--reuse", action="store_true", help="summarize the finished runs in --out, train none")
-    ap.add_argument("--modes", default="april,sync", help="train these modes; the others' finished runs in --out are read")
+    ap.add_argument(
+        "--modes", default="april,sync", help="train these modes; the others' finished runs in --out are read"
+    )
     args, overrides = ap.parse_known_args()
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -184,7 +186,7 @@ def main() -> None:
             workdir = out / f"{mode}_seed{seed}"
             if args.reuse or mode not in args.modes.split(","):
                 if not (workdir / "benchmark_run.json").exists():
-                    sys.exit(f"error: --reuse: {workdir} holds no finished run (no benchmark_run.json)")
+                    sys.exit(f"error: {workdir} holds no finished {mode} run to read (no benchmark_run.json)")
                 timing = json.loads((workdir / "benchmark_run.json").read_text())
             else:
                 timing = train(config, workdir, [*overrides, f"--config.seed={seed}", *extra])
