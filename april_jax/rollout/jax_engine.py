@@ -77,6 +77,13 @@ class JaxEngineStats(EngineStats):
     prompt_copies: int  # requests that copied a busy or held slot's prompt KV instead of prefilling it
 
 
+def prefill_len(request: Request) -> int:
+    """The prompt positions a start prefills (or copies): a group's shared prompt
+    (`Request.shared_prefix_len`) when the request carries more after it, else the whole prompt."""
+    prompt, p = request.prompt_ids, request.shared_prefix_len
+    return p if 0 < p < len(prompt) else len(prompt)
+
+
 def default_cache_dtype(cfg) -> jnp.dtype:
     """The model's compute dtype, except fp32 on CPU: XLA:CPU writes a row into a bf16 cache by
     converting the whole cache to fp32 and back (the decode step at batch 64 took 1.5x longer).
@@ -457,8 +464,7 @@ class JaxEngine(PollingEngine):
             starting, suffixed = self._copy_resident_prompts(starting)
         by_bucket = collections.defaultdict(list)
         for item in starting:
-            prompt, p = item[1].prompt_ids, item[1].shared_prefix_len
-            prefix_len = p if 0 < p < len(prompt) else len(prompt)
+            prompt, prefix_len = item[1].prompt_ids, prefill_len(item[1])
             by_bucket[bucket_for(prefix_len, self.buckets)].append((*item, prefix_len))
             if prefix_len < len(prompt):
                 suffixed.append((*item, prefix_len))
@@ -568,15 +574,11 @@ class JaxEngine(PollingEngine):
         `Request.shared_prefix_len`) copies the group's prompt and extends its own suffix.
         Returns (the requests still to prefill, the copied ones to extend)."""
         s = self._slots
-
-        def wanted(request):  # (prompt positions to find, positions the copy keeps)
-            prompt, p = request.prompt_ids, request.shared_prefix_len
-            return (p, p) if 0 < p < len(prompt) else (len(prompt), len(prompt) - 1)
-
-        lengths = {wanted(request)[0] for _, request, _ in starting}
+        lengths = {prefill_len(request) for _, request, _ in starting}
         current = self._prompt_kv_version == self.policy_version
+        # a busy row serves its prompt's positions (what a sibling's prompt can match)
         rows = [
-            (int(i), s.token_ids(int(i)), int(s.prompt_len[i] + s.steps[i]) - 1)
+            (int(i), s.requests[i].prompt_ids, int(s.prompt_len[i] + s.steps[i]) - 1)
             for i in np.flatnonzero(s.active & current)
         ]
         rows += [(slot, key, len(key) - 1) for slot, key in self._held_order.items() if current[slot]]
@@ -587,7 +589,8 @@ class JaxEngine(PollingEngine):
                     resident.setdefault(tokens[:n], slot)
         copies, rest, suffixed = [], [], []
         for slot, request, seed in starting:
-            n, keep = wanted(request)
+            n = prefill_len(request)
+            keep = n if n < len(request.prompt_ids) else n - 1  # a whole prompt decodes its last token
             source = resident.get(request.prompt_ids[:n]) if n >= 2 else None
             if source is None:
                 rest.append((slot, request, seed))
