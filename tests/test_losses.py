@@ -231,6 +231,23 @@ def test_staleness_masks_and_decays_exactly_the_right_tokens():
     np.testing.assert_allclose(float(m["train/off_policy_token_frac"]), 2 / n, rtol=1e-6)
 
 
+def test_positive_advantage_shares_count_tokens_plainly_and_as_the_loss_weights_them():
+    cfg = LossConfig(tis="token", tis_cap=2.0, max_staleness=2, staleness_decay=0.9)
+    x = random_inputs(11, stale=True)
+    x["adv"][3] = 0.0  # a zero advantage is on neither side
+    _, m = ours(cfg, x)
+    mask = x["mask"].astype(bool)
+    adv = np.broadcast_to(x["adv"][:, None], mask.shape)
+    s = x["cur"] - x["versions"]
+    weight = np.minimum(np.exp(x["old"] - x["behav"]), 2.0) * 0.9 ** np.maximum(s, 0) * (s <= 2)
+    signed = mask & (adv != 0)
+    np.testing.assert_allclose(
+        float(m["train/positive_adv_token_share"]), (signed & (adv > 0)).sum() / signed.sum(), rtol=1e-6
+    )
+    w = np.where(signed, weight, 0.0)
+    np.testing.assert_allclose(float(m["train/positive_adv_weight_share"]), w[adv > 0].sum() / w.sum(), rtol=1e-5)
+
+
 def test_group_advantages_match_numpy():
     r = np.random.default_rng(0).normal(size=(4, 6))
     mean = r.mean(1, keepdims=True)

@@ -129,6 +129,11 @@ def _masked_mean(x_BT, mask_BT):
     return jnp.where(m > 0, x_BT, 0.0).sum() / jnp.maximum(m.sum(), 1.0)
 
 
+def _positive_share(weight_BT, adv_BT, mask_BT):
+    w_BT = jnp.where(mask_BT & (adv_BT != 0), weight_BT, 0.0)
+    return jnp.where(adv_BT > 0, w_BT, 0.0).sum() / jnp.maximum(w_BT.sum(), 1e-12)
+
+
 def policy_loss(
     cfg: LossConfig,
     *,
@@ -195,6 +200,12 @@ def policy_loss(
         "train/tis_clipfrac": _masked_mean((is_ratio_BT > cfg.tis_cap).astype(jnp.float32), mask) if cfg.tis else 0.0,
         "train/off_policy_token_frac": _masked_mean((staleness_BT > 0).astype(jnp.float32), mask),
         "train/stale_masked_frac": _masked_mean((~fresh_enough).astype(jnp.float32), mask),
+        # Which side of the advantage the loss hears: the share of tokens with A > 0 among tokens
+        # with A != 0, counted plainly and weighted as the loss weights them (staleness cap, decay,
+        # truncated IS). A gap means stale tokens are mostly on one side: the correction then
+        # tilts the update towards the other (say, towards long failing responses).
+        "train/positive_adv_token_share": _positive_share(jnp.ones_like(adv_BT), adv_BT, mask),
+        "train/positive_adv_weight_share": _positive_share(tis_BT * decay_BT, adv_BT, mask_eff),
     }
     if ref_logp_BT is not None and cfg.kl_coef:
         kl_BT = kl_penalty(logp_BT, jax.lax.stop_gradient(ref_logp_BT), cfg.kl_type, mask_eff)
