@@ -152,6 +152,16 @@ def rollout_config(mode: str, args, stop_ids) -> RolloutConfig:
     return RolloutConfig(**common, partial_rollout=True, **given)
 
 
+def kept_cache_versions(cfg: RolloutConfig) -> int:
+    """The vLLM prefix cache's life in weight syncs, as the trainer's builder sets it (no sleep mode here)."""
+    from april_jax.config import default_config
+    from april_jax.training.builders import kept_prefix_cache_versions
+
+    c = default_config()
+    c.rollout.partial_rollout, c.rollout.max_staleness = cfg.partial_rollout, cfg.max_staleness
+    return kept_prefix_cache_versions(c)
+
+
 def lengths_summary(lengths: list[int]) -> dict:
     a = np.asarray(lengths)
     return {
@@ -259,7 +269,10 @@ def compare(args) -> dict:
         for mode in ("sync", "april"):
             data.load_state_dict({"epoch": 0, "index": 0})  # both modes: the same prompts in the same order
             engine.set_rng_state(rng0)
-            results[mode] = run_mode(mode, engine, params, data, rollout_config(mode, args, stop_ids), args)
+            cfg = rollout_config(mode, args, stop_ids)
+            if args.engine == "vllm":  # what a training run's builder gives the server in this mode
+                engine.engine.keep_prefix_cache_versions = kept_cache_versions(cfg)
+            results[mode] = run_mode(mode, engine, params, data, cfg, args)
     finally:
         engine.shutdown()
     costs = engine.costs()
@@ -285,7 +298,8 @@ def compare(args) -> dict:
         "refill": cfg.refill,
         "inflight": cfg.inflight,
         "finish_wait": cfg.finish_wait,
-        "hold_aborted_kv": args.engine == "jax" and default_config().rollout.hold_aborted_kv,
+        "hold_aborted_kv": default_config().rollout.hold_aborted_kv,
+        "vllm_keep_prefix_cache_versions": kept_cache_versions(cfg) if args.engine == "vllm" else None,
         "delivered_speedup": round(april["delivered_tokens_per_s"] / sync["delivered_tokens_per_s"], 3),
         "delivered_speedup_with_compiles": round(
             april["delivered_tokens_per_s_with_compiles"] / sync["delivered_tokens_per_s_with_compiles"], 3

@@ -1,6 +1,7 @@
 """Keys that used to be dead or to say something else now do what they say: loss.norm_len,
-optimizer.total_steps, rollout.max_staleness (the one staleness key), loss.kl_coef/loss.ref_path,
-reward/zero_std_groups and rollout/tokens_per_s."""
+optimizer.total_steps, rollout.max_staleness (the one staleness key; it also bounds how long a
+vLLM server keeps its prefix cache), loss.kl_coef/loss.ref_path, reward/zero_std_groups and
+rollout/tokens_per_s."""
 
 import itertools
 
@@ -69,6 +70,16 @@ def test_one_staleness_key_drives_rollout_and_loss():
         ConfigError, match="unknown config key 'loss.max_staleness'; did you mean --config.rollout.max_staleness"
     ):
         config_lib.check_overrides(["x", "--config.loss.max_staleness=3"])
+
+
+def test_vllm_prefix_cache_lives_as_long_as_the_staleness_cap_only_where_resumes_happen():
+    from april_jax.training.builders import kept_prefix_cache_versions
+
+    assert kept_prefix_cache_versions(config()) == config_lib.default_config().rollout.max_staleness > 0
+    assert kept_prefix_cache_versions(config(rollout__max_staleness=1)) == 1
+    assert kept_prefix_cache_versions(config(rollout__partial_rollout=False)) == 0  # sync: nothing resumes
+    assert kept_prefix_cache_versions(config(rollout__hold_aborted_kv=False)) == 0
+    assert kept_prefix_cache_versions(config(rollout__vllm_sleep_mode=True)) == 0  # a sleeping server drops its KV
 
 
 def test_kl_reference_from_ref_path_or_saved_after_warmup(tmp_path):

@@ -100,6 +100,50 @@ def test_weight_sync_from_jax_changes_vllm_output_to_match(vllm_tiny, engine, pr
     assert engine.generate([Request("c", prompts[2], 24, GREEDY)])["c"].token_ids == before.token_ids
 
 
+def test_kept_prefix_cache_serves_a_resumed_response_until_it_is_too_old(vllm_tiny, engine, prompts):
+    """keep_prefix_cache_versions k: a response resumed after a weight sync finds its prompt and
+    partial tokens in the server's prefix cache (counted by the server, not prefilled again) and
+    continues exactly as if never stopped; after k + 1 syncs the cache is reset and it is all
+    prefilled again. With k = 0 every sync resets it."""
+    _, model = vllm_tiny
+    params, n = nnx.state(model), 300
+    full = engine.generate([Request("k", prompts[3], n, GREEDY)])["k"].token_ids
+    cut = 200  # past the CPU backend's 128-token KV block: only whole blocks are cached
+    context = prompts[3] + full[:cut]
+
+    def resume(tag: str) -> tuple[list[int], int]:
+        before = engine.stats().prefill_tokens
+        got = engine.generate([Request(tag, context, n - cut, GREEDY)])[tag].token_ids
+        return got, engine.stats().prefill_tokens - before
+
+    try:
+        engine.keep_prefix_cache_versions = 2
+        resets = engine.stats().prefix_cache_resets
+        for _ in range(3):  # the cache dates from the last reset: within 3 syncs there is one
+            engine.update_weights(params, engine.policy_version + 1)
+            if engine.stats().prefix_cache_resets > resets:
+                break
+        resets += 1
+        assert engine.stats().prefix_cache_resets == resets
+        engine.generate([Request("w", context, 1, GREEDY)])  # computes and caches the context's KV
+        for i in range(2):
+            engine.update_weights(params, engine.policy_version + 1)
+            got, prefilled = resume(f"kept{i}")
+            assert got == full[cut:]
+            assert prefilled <= len(context) - 128, f"sync {i + 1} of 2: the cached context was prefilled again"
+        assert engine.stats().prefix_cache_resets == resets
+        engine.update_weights(params, engine.policy_version + 1)  # the cache's oldest KV would be 3 versions old
+        assert engine.stats().prefix_cache_resets == resets + 1
+        got, prefilled = resume("reset")
+        assert got == full[cut:] and prefilled == len(context)
+        engine.keep_prefix_cache_versions = 0
+        engine.update_weights(params, engine.policy_version + 1)
+        got, prefilled = resume("default")
+        assert got == full[cut:] and prefilled == len(context)
+    finally:
+        engine.keep_prefix_cache_versions = 0
+
+
 def test_file_transport_on_an_attached_server_syncs_the_same_weights(vllm_tiny, engine, prompts):
     _, model = vllm_tiny
     attached = VllmEngine(

@@ -182,7 +182,9 @@ class Rollout(RolloutConfig):
         "jax engine: an aborted response's KV stays in its slot until the response "
         "resumes there (no re-prefill, no copy) or the slot is needed; survives the "
         "train step only with free_kv_cache_in_train=false (else it is dropped there, "
-        "costing nothing)",
+        "costing nothing). vllm: the server's prefix cache is kept through weight syncs "
+        "(reset once its oldest KV is more than rollout.max_staleness versions old; "
+        "always with vllm_sleep_mode), so resumed responses are not prefilled again",
     )
     free_kv_cache_in_train: bool = key(
         True, "jax engine: free its KV cache during train steps (verl's free_cache_engine)"

@@ -133,6 +133,7 @@ def _build_vllm_engine(c, model, max_model_len: int, version: int) -> EngineProt
                 policy_version=version,
                 weight_transport=c.rollout.weight_transport,
                 sleep_mode=c.rollout.vllm_sleep_mode,
+                keep_prefix_cache_versions=kept_prefix_cache_versions(c),
             )
         python = find_vllm_python(c.rollout.vllm_python or None)
     except VllmSetupError as e:
@@ -149,4 +150,12 @@ def _build_vllm_engine(c, model, max_model_len: int, version: int) -> EngineProt
         dtype=c.model.compute_dtype,
         weight_transport=c.rollout.weight_transport,
         sleep_mode=c.rollout.vllm_sleep_mode,
+        keep_prefix_cache_versions=kept_prefix_cache_versions(c),
     )
+
+
+def kept_prefix_cache_versions(c) -> int:
+    """Weight syncs a vLLM server's prefix cache lives through: APRIL's resumed responses find their
+    prompt and partial tokens there (hold_aborted_kv), no older than a response may be (max_staleness)."""
+    keep = c.rollout.partial_rollout and c.rollout.hold_aborted_kv and not c.rollout.vllm_sleep_mode
+    return c.rollout.max_staleness if keep else 0

@@ -21,8 +21,13 @@ With every attached server down, `step()` waits for one (up to 240 s).
 
 Weights: `update_weights` writes HF-named tensors into a shared-memory safetensors buffer
 (`april_jax.rollout.vllm.weights.SharedSafetensors`, DLPack from JAX, one memcpy) in the run's own transport
-folder and asks the worker extension (`worker_ext.WeightUpdateExt`) to reload from it, then resets
-the prefix cache. A launched server gets a fresh 0700 folder under `shared_dir` (default /dev/shm)
+folder and asks the worker extension (`worker_ext.WeightUpdateExt`) to reload from it. The prefix
+cache is reset at every sync, or, with `keep_prefix_cache_versions` k > 0, kept through k syncs and
+reset at the next: a response APRIL aborted resumes from prompt + partial tokens, and with the
+cache kept the server finds their KV instead of prefilling them again (on a CPU a prefill token
+costs about what a decode token does). Cached KV is then up to k versions old, as a held row's is on
+the JAX engine; the logprobs the server returns are those of what it sampled from, so the loss's
+importance ratios see it. A launched server gets a fresh 0700 folder under `shared_dir` (default /dev/shm)
 and reads files only inside it; the folder is named after the trainer (boot, pid, start time), its
 watchdog removes it if the trainer is killed, and any later start removes those of dead trainers.
 Attached servers must have been started with $APRIL_JAX_TRANSPORT_DIR; give the engine the same
@@ -67,8 +72,11 @@ log = logging.getLogger(__name__)
 WEIGHT_TRANSPORTS = ("shm", "file", "cuda_ipc")
 PROBE_EVERY_S = 2.0
 # The servers' Prometheus counters that `stats()` reads (summed over vLLM's engine cores):
-# engine iterations (the iteration-tokens histogram's count) and tokens generated in them.
+# engine iterations (the iteration-tokens histogram's count), tokens generated in them, and prompt
+# tokens found in the prefix cache (not prefilled).
 ITERATIONS_METRIC, GENERATED_METRIC = "vllm:iteration_tokens_total_count", "vllm:generation_tokens_total"
+CACHE_HITS_METRIC = "vllm:prefix_cache_hits_total"
+COUNTERS = (ITERATIONS_METRIC, GENERATED_METRIC, CACHE_HITS_METRIC)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,13 +84,15 @@ class VllmEngineStats(EngineStats):
     """`EngineStats` over the servers. decode_steps and busy_slot_steps are the servers' own
     counters (GET /metrics, since this engine started): engine iterations, and tokens generated in
     them (one per running request per iteration, first tokens included), summed over servers; a
-    restarted server counts on from where its predecessor stopped. `slots` is one server's."""
+    restarted server counts on from where its predecessor stopped. `slots` is one server's.
+    prefill_tokens: the prompt tokens asked for less those the servers' prefix caches held."""
 
     servers: int  # servers in rotation now
     restarts: int  # owned servers restarted after dying
     resumed_after_failure: int  # requests resumed on another or a restarted server
     servers_lost: int  # attached servers taken out of rotation
     servers_back: int  # attached servers that answered again and rejoined
+    prefix_cache_resets: int  # weight syncs that reset the prefix cache
 
 
 class VllmEngine(PollingEngine):
@@ -98,6 +108,7 @@ class VllmEngine(PollingEngine):
         shared_dir=None,
         weight_transport: str = "shm",
         sleep_mode: bool = False,
+        keep_prefix_cache_versions: int = 0,
         **server_kw,
     ):
         if weight_transport not in WEIGHT_TRANSPORTS:
@@ -106,6 +117,10 @@ class VllmEngine(PollingEngine):
         # Colocated on one GPU: release vLLM's memory (weights to host, KV cache dropped) while the
         # trainer steps. A launched server gets --enable-sleep-mode; attached servers must have it.
         self.sleep_mode = sleep_mode
+        if keep_prefix_cache_versions < 0:
+            raise ValueError(f"keep_prefix_cache_versions={keep_prefix_cache_versions}: must be >= 0")
+        self.keep_prefix_cache_versions = keep_prefix_cache_versions
+        self._cache_since_version = policy_version  # the oldest weights any cached KV was computed with
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.kv_budget_tokens = math.inf  # the servers' KV budget is not visible from here
         self.policy_version = policy_version
@@ -158,9 +173,9 @@ class VllmEngine(PollingEngine):
         self._t0 = time.perf_counter()
         self._said_no_sleep = False
         self._closing = False
-        # Each server's (iterations, generated tokens) counters when last read; counts since start.
-        self._counters: dict[str, tuple[float, float]] = {
-            url: self._read_counters(url) or (0.0, 0.0) for url in self.urls
+        # Each server's COUNTERS when last read; counts since start.
+        self._counters: dict[str, tuple[float, ...]] = {
+            url: self._read_counters(url) or (0.0,) * len(COUNTERS) for url in self.urls
         }
 
     # ---- HTTP ----
@@ -205,7 +220,7 @@ class VllmEngine(PollingEngine):
             state = {"request": r, "url": url, "engine_id": None, "tokens": [], "logprobs": [], "versions": []}
             with self._lock:
                 self._live[r.request_id] = state
-            self._stats["prefill_tokens"] += len(r.prompt_ids)  # asked for; the server's prefix cache may skip some
+            self._stats["prefill_tokens"] += len(r.prompt_ids)  # asked for; stats() takes off the prefix-cache hits
             self._launch(state)
 
     def _launch(self, state: dict) -> None:
@@ -302,12 +317,13 @@ class VllmEngine(PollingEngine):
         self._next_server += 1
         return serving[(self._next_server - 1) % len(serving)]
 
-    def _resync(self, url: str) -> None:
+    def _resync(self, url: str, reset_cache: bool = True) -> None:
         """Give a fresh or returning server the latest weights."""
         if self._last_sync is not None:
             method, arg = self._last_sync
             self._post(url, "/collective_rpc", {"method": method, "args": [arg]})
-        self._post(url, "/reset_prefix_cache", {})
+        if reset_cache:
+            self._post(url, "/reset_prefix_cache", {})
 
     def _take_out(self, url: str, why) -> None:
         log.warning("vLLM server %s is down (%s): out of rotation until it answers again", url, why)
@@ -481,11 +497,17 @@ class VllmEngine(PollingEngine):
             method, arg = "april_update_from_file", self._buffer.path
         previous, self._last_sync = self._last_sync, (method, arg)
         owned = {server.url for server in self.servers}
+        # a sleeping server drops its KV anyway; otherwise keep the cache while its oldest KV is
+        # at most keep_prefix_cache_versions versions behind the new weights
+        reset = self.sleep_mode or int(version) - self._cache_since_version > self.keep_prefix_cache_versions
+        if reset:
+            self._cache_since_version = int(version)
+        self._stats["prefix_cache_resets"] += int(reset)
         for url in self.urls:
             if url in self._down:
                 continue  # re-synced when it answers again
             try:
-                self._resync(url)
+                self._resync(url, reset_cache=reset)
             except urllib.error.HTTPError:
                 raise  # the server refused the update: a bug to see, not an outage
             except (urllib.error.URLError, OSError) as e:
@@ -502,8 +524,8 @@ class VllmEngine(PollingEngine):
         with self._lock:
             return bool(self._live) or not self._done.empty()
 
-    def _read_counters(self, url: str) -> tuple[float, float] | None:
-        """(iterations, generated tokens) from a server's Prometheus /metrics; None if it does not answer."""
+    def _read_counters(self, url: str) -> tuple[float, ...] | None:
+        """COUNTERS from a server's Prometheus /metrics; None if it does not answer."""
         req = urllib.request.Request(
             f"{url}/metrics", headers=({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
         )
@@ -512,12 +534,12 @@ class VllmEngine(PollingEngine):
                 text = r.read().decode()
         except (urllib.error.URLError, OSError):
             return None
-        totals = {ITERATIONS_METRIC: 0.0, GENERATED_METRIC: 0.0}
+        totals = dict.fromkeys(COUNTERS, 0.0)
         for line in text.splitlines():  # e.g. 'vllm:generation_tokens_total{engine="0",model_name="policy"} 42.0'
             name = line.split("{", 1)[0].split(" ", 1)[0]
             if name in totals:
                 totals[name] += float(line.rsplit(" ", 1)[1])
-        return totals[ITERATIONS_METRIC], totals[GENERATED_METRIC]
+        return tuple(totals[name] for name in COUNTERS)
 
     def _count_server_steps(self) -> None:
         """Add what each serving server's counters moved since they were last read."""
@@ -526,10 +548,11 @@ class VllmEngine(PollingEngine):
             if now is None:
                 continue
             # counters below the last reading: the server restarted under this URL, so they count from 0
-            last = self._counters.get(url, (0.0, 0.0))
+            last = self._counters.get(url, (0.0,) * len(COUNTERS))
             moved = [n - l if n >= l else n for n, l in zip(now, last)]
             self._stats["decode_steps"] += int(moved[0])
             self._stats["busy_slot_steps"] += int(moved[1])
+            self._stats["prefix_cache_hits"] += int(moved[2])
             self._counters[url] = now
 
     def stats(self) -> VllmEngineStats:
@@ -543,7 +566,7 @@ class VllmEngine(PollingEngine):
             busy_slots=busy,
             queued=max(busy - self.max_num_seqs * serving, 0),
             tokens_generated=s["tokens_generated"],
-            prefill_tokens=s["prefill_tokens"],
+            prefill_tokens=s["prefill_tokens"] - s["prefix_cache_hits"],
             decode_steps=s["decode_steps"],
             busy_slot_steps=s["busy_slot_steps"],
             aborted=s["aborted"],
@@ -554,6 +577,7 @@ class VllmEngine(PollingEngine):
             resumed_after_failure=s["resumed_after_failure"],
             servers_lost=s["servers_lost"],
             servers_back=s["servers_back"],
+            prefix_cache_resets=s["prefix_cache_resets"],
         )
 
     def now(self) -> float:
