@@ -72,11 +72,11 @@ log = logging.getLogger(__name__)
 WEIGHT_TRANSPORTS = ("shm", "file", "cuda_ipc")
 PROBE_EVERY_S = 2.0
 # The servers' Prometheus counters that `stats()` reads (summed over vLLM's engine cores):
-# engine iterations (the iteration-tokens histogram's count), tokens generated in them, and prompt
-# tokens found in the prefix cache (not prefilled).
+# engine iterations (the iteration-tokens histogram's count), tokens generated in them, and the
+# prompt tokens of scheduled requests, looked up in the prefix cache and found there (not prefilled).
 ITERATIONS_METRIC, GENERATED_METRIC = "vllm:iteration_tokens_total_count", "vllm:generation_tokens_total"
-CACHE_HITS_METRIC = "vllm:prefix_cache_hits_total"
-COUNTERS = (ITERATIONS_METRIC, GENERATED_METRIC, CACHE_HITS_METRIC)
+CACHE_QUERIES_METRIC, CACHE_HITS_METRIC = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
+COUNTERS = (ITERATIONS_METRIC, GENERATED_METRIC, CACHE_QUERIES_METRIC, CACHE_HITS_METRIC)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,7 +85,8 @@ class VllmEngineStats(EngineStats):
     counters (GET /metrics, since this engine started): engine iterations, and tokens generated in
     them (one per running request per iteration, first tokens included), summed over servers; a
     restarted server counts on from where its predecessor stopped. `slots` is one server's.
-    prefill_tokens: the prompt tokens asked for less those the servers' prefix caches held."""
+    prefill_tokens: the prompt tokens the servers computed (scheduled requests' prompts less what
+    their prefix caches held); a request aborted while it waited costs none."""
 
     servers: int  # servers in rotation now
     restarts: int  # owned servers restarted after dying
@@ -220,7 +221,6 @@ class VllmEngine(PollingEngine):
             state = {"request": r, "url": url, "engine_id": None, "tokens": [], "logprobs": [], "versions": []}
             with self._lock:
                 self._live[r.request_id] = state
-            self._stats["prefill_tokens"] += len(r.prompt_ids)  # asked for; stats() takes off the prefix-cache hits
             self._launch(state)
 
     def _launch(self, state: dict) -> None:
@@ -552,7 +552,7 @@ class VllmEngine(PollingEngine):
             moved = [n - l if n >= l else n for n, l in zip(now, last)]
             self._stats["decode_steps"] += int(moved[0])
             self._stats["busy_slot_steps"] += int(moved[1])
-            self._stats["prefix_cache_hits"] += int(moved[2])
+            self._stats["prefill_tokens"] += int(moved[2] - moved[3])
             self._counters[url] = now
 
     def stats(self) -> VllmEngineStats:
@@ -566,7 +566,7 @@ class VllmEngine(PollingEngine):
             busy_slots=busy,
             queued=max(busy - self.max_num_seqs * serving, 0),
             tokens_generated=s["tokens_generated"],
-            prefill_tokens=s["prefill_tokens"] - s["prefix_cache_hits"],
+            prefill_tokens=s["prefill_tokens"],
             decode_steps=s["decode_steps"],
             busy_slot_steps=s["busy_slot_steps"],
             aborted=s["aborted"],
