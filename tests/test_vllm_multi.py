@@ -215,3 +215,17 @@ def test_attaching_with_a_wrong_key_or_a_dead_url_fails_at_once_in_one_line(clus
     monkeypatch.delenv("APRIL_JAX_TRANSPORT_DIR", raising=False)
     with pytest.raises(VllmSetupError, match="give shared_dir"):
         VllmEngine(urls=[servers[0].url], api_key=key)
+
+
+def test_an_attached_server_s_prefix_cache_is_reset_at_the_first_sync_even_when_kept(vllm_tiny, cluster):
+    """An attached server's cache may hold KV of weights from before this run: the first sync
+    resets it, and only later ones keep it (keep_prefix_cache_versions)."""
+    servers, key, transport, _ = cluster
+    one = VllmEngine(
+        urls=[servers[0].url], api_key=key, shared_dir=transport, max_model_len=512, keep_prefix_cache_versions=4
+    )
+    params = nnx.state(vllm_tiny[1])  # the checkpoint's own weights
+    one.update_weights(params, 1)
+    assert one.stats().prefix_cache_resets == 1
+    one.update_weights(params, 2)
+    assert one.stats().prefix_cache_resets == 1

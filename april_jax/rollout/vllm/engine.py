@@ -121,7 +121,9 @@ class VllmEngine(PollingEngine):
         if keep_prefix_cache_versions < 0:
             raise ValueError(f"keep_prefix_cache_versions={keep_prefix_cache_versions}: must be >= 0")
         self.keep_prefix_cache_versions = keep_prefix_cache_versions
-        self._cache_since_version = policy_version  # the oldest weights any cached KV was computed with
+        # the oldest weights any cached KV was computed with; None: unknown (an attached server may
+        # hold KV of weights from before this run), so the first sync resets
+        self._cache_since_version: int | None = None if urls else policy_version
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.kv_budget_tokens = math.inf  # the servers' KV budget is not visible from here
         self.policy_version = policy_version
@@ -499,7 +501,8 @@ class VllmEngine(PollingEngine):
         owned = {server.url for server in self.servers}
         # a sleeping server drops its KV anyway; otherwise keep the cache while its oldest KV is
         # at most keep_prefix_cache_versions versions behind the new weights
-        reset = self.sleep_mode or int(version) - self._cache_since_version > self.keep_prefix_cache_versions
+        since = self._cache_since_version
+        reset = self.sleep_mode or since is None or int(version) - since > self.keep_prefix_cache_versions
         if reset:
             self._cache_since_version = int(version)
         self._stats["prefix_cache_resets"] += int(reset)
