@@ -370,7 +370,7 @@ class VllmEngine(PollingEngine):
             fresh = VllmServer(**server.args)
             self.servers[i] = fresh
             self.urls = [fresh.url if u == server.url else u for u in self.urls]
-            self._counters[fresh.url] = (0.0, 0.0)  # a fresh server counts from 0
+            self._counters[fresh.url] = (0.0,) * len(COUNTERS)  # a fresh server counts from 0
             self.api_key = fresh.api_key
             self._resync(fresh.url)
             self._stats["restarts"] += 1
