@@ -123,6 +123,7 @@ def _build_vllm_engine(c, model, max_model_len: int, version: int) -> EngineProt
     from april_jax.rollout.vllm.server import VllmSetupError, find_vllm_python, prepare_model_dir
 
     urls = [u.strip() for u in c.rollout.vllm_urls.split(",") if u.strip()]
+    keep_cache = kept_prefix_cache_versions(c)
     try:
         if urls:
             return VllmEngine(
@@ -133,7 +134,7 @@ def _build_vllm_engine(c, model, max_model_len: int, version: int) -> EngineProt
                 policy_version=version,
                 weight_transport=c.rollout.weight_transport,
                 sleep_mode=c.rollout.vllm_sleep_mode,
-                keep_prefix_cache_versions=kept_prefix_cache_versions(c),
+                keep_prefix_cache_versions=keep_cache,
             )
         python = find_vllm_python(c.rollout.vllm_python or None)
     except VllmSetupError as e:
@@ -150,7 +151,7 @@ def _build_vllm_engine(c, model, max_model_len: int, version: int) -> EngineProt
         dtype=c.model.compute_dtype,
         weight_transport=c.rollout.weight_transport,
         sleep_mode=c.rollout.vllm_sleep_mode,
-        keep_prefix_cache_versions=kept_prefix_cache_versions(c),
+        keep_prefix_cache_versions=keep_cache,
     )
 
 
