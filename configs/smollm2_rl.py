@@ -18,6 +18,7 @@ seed 2: APRIL 0.32 / 0.18 / 0.23 / 0.22 (13.4 min); sync 0.32 / 0.37 / 0.42 / 0.
 seed 0: APRIL 0.32 / 0.37 / 0.35 / 0.47 (13.1 min); sync 0.32 / 0.35 / 0.45 / 0.47 (11.6 min);
 seed 1: APRIL 0.32 / 0.40 / 0.44 / 0.45 (13.6 min); sync 0.32 / 0.46 / 0.45 / 0.51 (11.7 min).
 Seed 2 with `--config.rollout.max_staleness=0`: APRIL 0.32 / 0.31 / 0.38 / 0.49 (docs/performance.md).
+Seeds 3 / 4 (2-core AMD EPYC, 21.5-24.3 min a run): APRIL 0.32 -> 0.48 / 0.43; sync 0.32 -> 0.42 / 0.47.
 """
 
 from april_jax.config import default_config
