@@ -24,7 +24,7 @@ times compare). Any
 `--reuse` summarizes runs already in `--out` (their `benchmark_run.json`) instead of training them
 again: seeds can be trained by separate invocations (in parallel) and summarized together.
 
-and writes a PNG (`--png`) of training reward and eval accuracy vs wall-clock seconds, both modes.
+and writes a PNG (`--png`, default `april_vs_sync.png` in `--out`) of training reward and eval accuracy vs wall-clock seconds, both modes.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--reward-threshold", type=float, default=0.9)  # the warm-up starts near 0.75
     ap.add_argument("--out", default="runs/april_vs_sync", help="workdirs of the runs")
-    ap.add_argument("--png", default="benchmarks/april_vs_sync.png")
+    ap.add_argument("--png", default=None, help="the figure (default: april_vs_sync.png in --out)")
     ap.add_argument("--reuse", action="store_true", help="summarize the finished runs in --out, train none")
     ap.add_argument(
         "--modes", default="april,sync", help="train these modes; the others' finished runs in --out are read"
@@ -180,6 +180,7 @@ def main() -> None:
         f"--config.rollout.over_sampling_batch_size={c.rollout.rollout_batch_size}",
     ]
     out = Path(args.out)
+    args.png = args.png or str(out / "april_vs_sync.png")
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for mode, extra in (("april", []), ("sync", sync)):
