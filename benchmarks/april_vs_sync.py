@@ -24,7 +24,8 @@ times compare). Any
 `--reuse` summarizes runs already in `--out` (their `benchmark_run.json`) instead of training them
 again: seeds can be trained by separate invocations (in parallel) and summarized together.
 
-and writes a PNG (`--png`, default `april_vs_sync.png` in `--out`) of training reward and eval accuracy vs wall-clock seconds, both modes.
+and writes a PNG (`--png`, default `april_vs_sync.png` in `--out`) of training reward and eval
+accuracy vs wall-clock seconds, both modes.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def main() -> None:
         f"--config.rollout.over_sampling_batch_size={c.rollout.rollout_batch_size}",
     ]
     out = Path(args.out)
-    args.png = args.png or str(out / "april_vs_sync.png")
+    png = Path(args.png) if args.png else out / "april_vs_sync.png"
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for mode, extra in (("april", []), ("sync", sync)):
@@ -227,9 +228,9 @@ def main() -> None:
         "goal_eval_gain_ge_0.3_every_seed": bool(min(gains["april"]) >= 0.3),
         "loadavg_end": loadavg(),
         "cpus": os.cpu_count(),
-        "png": args.png,
+        "png": str(png),
     }
-    plot(runs, Path(args.png), args.reward_threshold)
+    plot(runs, png, args.reward_threshold)
     print(json.dumps(overall, indent=1))
 
 
