@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import re
 import sys
+import warnings
 
 from april_jax import config as config_lib
 from april_jax.config import ConfigError
@@ -49,6 +50,13 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def fail_on_disk(message: str) -> None:
+    """`fail` for a write the disk refused. Orbax's async writer leaves the refused write's coroutine
+    unawaited; Python would warn about it at exit, after the one error line, so that warning is muted."""
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+    fail(message)
+
+
 def main(argv: list[str] | None = None) -> None:
     from april_jax.train import run
 
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         if e.errno not in DISK_ERRORS:
             raise
         # a full disk, or a folder the run cannot write: the checkpoints written before are intact
-        fail(f"{e.filename or (c and c.workdir) or 'writing the run'}: {e.strerror or e}{RERUN}")
+        fail_on_disk(f"{e.filename or (c and c.workdir) or 'writing the run'}: {e.strerror or e}{RERUN}")
     except (ValueError, TrainingError) as e:
         _fail_on_bad_input(e)
         raise
@@ -102,7 +110,7 @@ def _fail_on_bad_input(e: Exception) -> None:
         fail(str(e))
     if DISK_FULL_TEXT in str(e):  # orbax reports tensorstore's write errors as ValueError
         where = re.search(r"/[^\"'\s]*/checkpoints/\d+", str(e))
-        fail(f"writing checkpoint {where.group(0) if where else ''}: {DISK_FULL_TEXT}{RERUN}")
+        fail_on_disk(f"writing checkpoint {where.group(0) if where else ''}: {DISK_FULL_TEXT}{RERUN}")
 
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
