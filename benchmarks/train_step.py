@@ -1,13 +1,15 @@
 """Train-step throughput of a ~40M-parameter Qwen3 and its fraction of a measured matmul peak.
 
-    python -m benchmarks.train_step [--batch 8] [--seq 512] [--micro 8]
+    python -m benchmarks.train_step [--batch 8] [--seq 512] [--micro 8] [--epochs 1]
 
 The peak is measured in the same run with a large jnp.dot (fp32), so machine noise affects both.
-FLOPs per step: the recompute of pi_old (forward, 2N per token) plus forward+backward of the
-update (6N per token), N = parameters including the lm_head, plus causal attention: the score and
-value products over the T^2 / 2 query-key pairs at or below the diagonal (6 L T^2 H D per sequence
-for fwd+bwd, 2 L T^2 H D for the extra forward), the work a causal kernel has to do. With
---remat the recomputed forward is not counted: the fraction is of model FLOPs, as MFU is.
+One rollout batch is `Trainer.update` with `--epochs` PPO epochs, as train.py runs it; `step_s` is
+its time over the epochs. FLOPs per optimiser step: forward+backward (6N per token), N = parameters
+including the lm_head, plus causal attention: the score and value products over the T^2 / 2
+query-key pairs at or below the diagonal (6 L T^2 H D per sequence for fwd+bwd), the work a causal
+kernel has to do; with 2+ epochs, plus pi_old's forward once per batch (2N per token and
+2 L T^2 H D, shared by the epochs; one epoch takes pi_old from its own forward). With --remat the
+recomputed forward is not counted: the fraction is of model FLOPs, as MFU is.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main():
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--remat", default="none", choices=["none", "full", "dots"])
+    parser.add_argument("--epochs", type=int, default=1, help="PPO epochs per rollout batch (train.num_iterations)")
     args = parser.parse_args()
     cfg = CONFIG_40M.replace(remat=args.remat)
     B, S = args.batch, args.seq
@@ -58,18 +61,20 @@ def main():
     }
     trainer = Trainer(qwen3.init_model(cfg), LossConfig(), OptimizerConfig(lr=1e-6), micro_batch_size=args.micro)
     t = time.perf_counter()
-    trainer.step(batch, 0)
+    trainer.update(batch, 0, args.epochs)
     compile_s = time.perf_counter() - t
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        trainer.step(batch, 0)
-        times.append(time.perf_counter() - t)
+        trainer.update(batch, 0, args.epochs)
+        times.append((time.perf_counter() - t) / args.epochs)
     step_s = min(times)
     peak = matmul_peak_flops()
     T = S - 1
     L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
-    flops = 8 * cfg.num_params * B * T + 8 * L * T * T * H * D * B
+    update_flops = 6 * cfg.num_params * B * T + 6 * L * T * T * H * D * B
+    pi_old_flops = (2 * cfg.num_params * B * T + 2 * L * T * T * H * D * B) if args.epochs > 1 else 0
+    flops = update_flops + pi_old_flops / args.epochs
     print(
         json.dumps(
             {
@@ -81,6 +86,7 @@ def main():
                 "seq": S,
                 "micro_batch": args.micro,
                 "remat": args.remat,
+                "epochs": args.epochs,
                 "compile_s": round(compile_s, 2),
                 "step_s": round(step_s, 3),
                 "tokens_per_s": round(B * T / step_s, 1),

@@ -17,7 +17,9 @@ the first epoch, or the behaviour logprobs when pi_old='bypass') and, when kl_co
 reference's logprobs; then `num_iterations` optimiser steps (PPO epochs) reuse both, so from the
 second epoch on the ratio pi / pi_old moves away from 1 and the clip can bind. The reference is
 the initial params (or a given model), kept on the mesh with the policy's shardings; with
-kl_coef == 0 none is kept.
+kl_coef == 0 none is kept. With one epoch (and pi_old='recompute') pi_old is the params being
+differentiated, so it is the training forward's own logprobs under stop_gradient (as TRL does):
+no separate logprob pass, a quarter of the step's FLOPs.
 """
 
 from __future__ import annotations
@@ -217,13 +219,19 @@ class Trainer:
         logp = jax.lax.map(lambda ids: token_logprobs(model, ids, self.temperature)[0], micro)
         return logp.reshape(input_ids_BS.shape[0], -1)
 
-    def prepare(self, batch: dict) -> dict:
+    def prepare(self, batch: dict, epochs: int = 2) -> dict:
         """The batch on the mesh with what stays fixed over its PPO epochs: old_logp (pi_old, unless
-        given) and ref_logp (when kl_coef > 0, unless given). Call once per rollout batch."""
+        given) and ref_logp (when kl_coef > 0, unless given). Call once per rollout batch. With
+        `epochs` 1 and pi_old='recompute', old_logp stays absent: the step takes the training
+        forward's own logprobs (the same params), saving a forward pass."""
         batch = self._put(batch)
         if batch.get("old_logp") is None:
-            recompute = self.loss_cfg.pi_old == "recompute"
-            batch["old_logp"] = self.logprobs(batch["input_ids"]) if recompute else batch["behaviour_logp"]
+            if self.loss_cfg.pi_old != "recompute":
+                batch["old_logp"] = batch["behaviour_logp"]
+            elif epochs > 1:
+                batch["old_logp"] = self.logprobs(batch["input_ids"])
+            else:
+                batch.pop("old_logp", None)
         if self.ref_params is not None and batch.get("ref_logp") is None:
             batch["ref_logp"] = self.logprobs(batch["input_ids"], self.ref_params)
         return self._put(batch)
@@ -233,7 +241,7 @@ class Trainer:
         """One rollout batch: pi_old and the reference logprobs once, then `num_iterations`
         optimiser steps on it. Metrics are the mean over the epochs (verl's reduction), except
         train/skipped (summed) and train/skipped_steps (the running total)."""
-        prepared = self.prepare(batch)
+        prepared = self.prepare(batch, num_iterations)
         epochs = [self.step(prepared, current_version) for _ in range(num_iterations)]
         metrics = {k: float(np.mean([m[k] for m in epochs])) for k in epochs[0]}
         metrics["train/skipped"] = sum(m["train/skipped"] for m in epochs)
@@ -243,7 +251,7 @@ class Trainer:
     def step(self, batch: dict, current_version: int) -> dict:
         """One optimiser step on `batch` (see module docstring). An unprepared batch gets its pi_old
         from the current params: call `prepare` once when stepping on one batch several times."""
-        batch = self.prepare(batch)
+        batch = self.prepare(batch, epochs=1)
         n_micro = self._micro(batch["input_ids"].shape[0])
         fn = self._jitted("step", n_micro, "ref_logp" in batch)
         self.params, self.opt_state, metrics = fn(self.params, self.opt_state, batch, jnp.int32(current_version))
@@ -287,7 +295,7 @@ class Trainer:
             return policy_loss(
                 self.loss_cfg,
                 logp_BT=logp,
-                old_logp_BT=mb["old_logp"],
+                old_logp_BT=mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp),
                 behaviour_logp_BT=mb["behaviour_logp"],
                 advantages_B=mb["advantages"],
                 mask_BT=mb["loss_mask"],
