@@ -62,7 +62,7 @@ class LossConfig:
     entropy_coef: float = key(0.0, "weight of the entropy bonus (subtracted from the loss); 0: off", finite=True)
     pi_old: str = key(
         "recompute",
-        "pi_old: recomputed once per rollout batch by the trainer, or 'bypass' (the engine's behaviour logprobs)",
+        "pi_old: the trainer's logprobs before the batch's first epoch (one epoch: the update's own forward), or 'bypass' (the engine's behaviour logprobs)",
         choices=("recompute", "bypass"),
     )
     tis: str | None = internal("token", "truncated importance sampling: 'token', 'sequence' or None")
