@@ -19,6 +19,7 @@ seed 0: APRIL 0.32 / 0.37 / 0.35 / 0.47 (13.1 min); sync 0.32 / 0.35 / 0.45 / 0.
 seed 1: APRIL 0.32 / 0.40 / 0.44 / 0.45 (13.6 min); sync 0.32 / 0.46 / 0.45 / 0.51 (11.7 min).
 Seed 2 with `--config.rollout.max_staleness=0`: APRIL 0.32 / 0.31 / 0.38 / 0.49 (docs/performance.md).
 Seeds 3 / 4 (2-core AMD EPYC, 21.5-24.3 min a run): APRIL 0.32 -> 0.48 / 0.43; sync 0.32 -> 0.42 / 0.47.
+Since one epoch takes pi_old from the update's own forward, seed 3 there: 19.7 (APRIL) / 19.0 min.
 """
 
 from april_jax.config import default_config
