@@ -259,7 +259,9 @@ def test_server_killed_mid_rollout_recovers_and_completes(vllm_tiny, engine, pro
     old_pid = engine.servers[0].proc.pid
     for _ in range(3):
         engine.submit([Request(str(i), prompts[i], n, GREEDY) for i in range(3)])
-        while sum(len(st["tokens"]) for st in list(engine._live.values())) < 30:  # tokens flowing
+        deadline = time.time() + 120
+        while engine._live and sum(len(st["tokens"]) for st in list(engine._live.values())) < 30:  # tokens flowing
+            assert time.time() < deadline, "no tokens in 120 s"
             time.sleep(0.01)
         # Freeze the server, then check the requests really are mid-flight: on a loaded 2-core
         # machine this thread can lose the CPU long enough for a fast server to finish them all.
