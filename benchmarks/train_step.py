@@ -72,9 +72,8 @@ def main():
     peak = matmul_peak_flops()
     T = S - 1
     L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
-    update_flops = 6 * cfg.num_params * B * T + 6 * L * T * T * H * D * B
-    pi_old_flops = (2 * cfg.num_params * B * T + 2 * L * T * T * H * D * B) if args.epochs > 1 else 0
-    flops = update_flops + pi_old_flops / args.epochs
+    forward = 2 * cfg.num_params * B * T + 2 * L * T * T * H * D * B
+    flops = 3 * forward + (forward / args.epochs if args.epochs > 1 else 0)
     print(
         json.dumps(
             {

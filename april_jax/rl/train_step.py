@@ -219,16 +219,16 @@ class Trainer:
         logp = jax.lax.map(lambda ids: token_logprobs(model, ids, self.temperature)[0], micro)
         return logp.reshape(input_ids_BS.shape[0], -1)
 
-    def prepare(self, batch: dict, epochs: int = 2) -> dict:
+    def prepare(self, batch: dict, fix_pi_old: bool = True) -> dict:
         """The batch on the mesh with what stays fixed over its PPO epochs: old_logp (pi_old, unless
-        given) and ref_logp (when kl_coef > 0, unless given). Call once per rollout batch. With
-        `epochs` 1 and pi_old='recompute', old_logp stays absent: the step takes the training
-        forward's own logprobs (the same params), saving a forward pass."""
+        given) and ref_logp (when kl_coef > 0, unless given). Call once per rollout batch. For a
+        single step (`fix_pi_old` False) with pi_old='recompute', old_logp stays absent: the step
+        takes the training forward's own logprobs (the same params), saving a forward pass."""
         batch = self._put(batch)
         if batch.get("old_logp") is None:
             if self.loss_cfg.pi_old != "recompute":
                 batch["old_logp"] = batch["behaviour_logp"]
-            elif epochs > 1:
+            elif fix_pi_old:
                 batch["old_logp"] = self.logprobs(batch["input_ids"])
             else:
                 batch.pop("old_logp", None)
@@ -241,7 +241,7 @@ class Trainer:
         """One rollout batch: pi_old and the reference logprobs once, then `num_iterations`
         optimiser steps on it. Metrics are the mean over the epochs (verl's reduction), except
         train/skipped (summed) and train/skipped_steps (the running total)."""
-        prepared = self.prepare(batch, num_iterations)
+        prepared = self.prepare(batch, fix_pi_old=num_iterations > 1)
         epochs = [self.step(prepared, current_version) for _ in range(num_iterations)]
         metrics = {k: float(np.mean([m[k] for m in epochs])) for k in epochs[0]}
         metrics["train/skipped"] = sum(m["train/skipped"] for m in epochs)
@@ -251,7 +251,7 @@ class Trainer:
     def step(self, batch: dict, current_version: int) -> dict:
         """One optimiser step on `batch` (see module docstring). An unprepared batch gets its pi_old
         from the current params: call `prepare` once when stepping on one batch several times."""
-        batch = self.prepare(batch, epochs=1)
+        batch = self.prepare(batch, fix_pi_old=False)
         n_micro = self._micro(batch["input_ids"].shape[0])
         fn = self._jitted("step", n_micro, "ref_logp" in batch)
         self.params, self.opt_state, metrics = fn(self.params, self.opt_state, batch, jnp.int32(current_version))
