@@ -49,6 +49,10 @@ def main():
     parser.add_argument("--remat", default="none", choices=["none", "full", "dots"])
     parser.add_argument("--epochs", type=int, default=1, help="PPO epochs per rollout batch (train.num_iterations)")
     args = parser.parse_args()
+    if args.seq < 66:  # 64 prompt tokens, then at least one response token
+        parser.error(f"--seq {args.seq}: at least 66 (64 prompt tokens + a response)")
+    if args.epochs < 1:
+        parser.error(f"--epochs {args.epochs}: at least 1")
     cfg = CONFIG_40M.replace(remat=args.remat)
     B, S = args.batch, args.seq
     rng = np.random.default_rng(0)
