@@ -309,7 +309,12 @@ def _share_batch(run: Run, groups: list) -> tuple[dict | None, dict]:
     c, batch, shared = run.c, None, {}
     if run.engine is not None and run.stop.signum is None:  # a signal during the rollout abandons it too
         if groups:
-            batch = groups_to_batch(groups, advantage_mode=c.loss.advantage, batch_norm=c.loss.advantage_batch_norm)
+            batch = groups_to_batch(
+                groups,
+                advantage_mode=c.loss.advantage,
+                batch_norm=c.loss.advantage_batch_norm,
+                max_len=c.data.max_prompt_len + c.rollout.max_response_len,
+            )
             shared["rewards_failed"] = all_failed(groups)
         run.engine.sleep()
     if run.engine is not None:

@@ -23,6 +23,8 @@ times compare). Any
 
 `--reuse` summarizes runs already in `--out` (their `benchmark_run.json`) instead of training them
 again: seeds can be trained by separate invocations (in parallel) and summarized together.
+`--modes april` trains APRIL only and compares each seed with a sync run an earlier invocation left
+in `--out` (seeds without one are reported alone).
 
 and writes a PNG (`--png`, default `april_vs_sync.png` in `--out`) of training reward and eval
 accuracy vs wall-clock seconds, both modes.
@@ -49,6 +51,13 @@ from april_jax.training.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 
 MOVING = 10  # steps in the reward moving average for seconds_to_reward
+
+
+def moving_mean(reward: np.ndarray) -> tuple[np.ndarray, int]:
+    """The reward's moving average over MOVING steps (all of them in a shorter run) and its window:
+    entry i ends at step i + window - 1."""
+    window = max(1, min(MOVING, len(reward)))
+    return np.convolve(reward, np.ones(window) / window, mode="valid"), window
 
 
 def loadavg() -> str:
@@ -97,9 +106,9 @@ def summarize(rows: list[dict], threshold: float) -> dict:
     fifth = max(steps // 5, 1)
     reward = np.array([r["reward/mean"] for r in rows])
     evals = [(r["step"], r["eval/version"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    moving = np.convolve(reward, np.ones(MOVING) / MOVING, mode="valid")  # moving[i] ends at step i + MOVING - 1
+    moving, window = moving_mean(reward)
     reached = np.flatnonzero(moving >= threshold)
-    at = int(reached[0]) + MOVING - 1 if len(reached) else None
+    at = int(reached[0]) + window - 1 if len(reached) else None
     rollout_s = [r["time/rollout_s"] for r in rows[1:]]  # step 0 pays the compiles
     # without the XLA compiles of engine programs met for the first time (a long run's steady state)
     steady_s = [r["time/rollout_s"] - r.get("time/rollout_compile_s", 0.0) for r in rows[1:]]
@@ -142,9 +151,9 @@ def plot(runs: list[dict], out: Path, threshold: float) -> None:
         rows, mode = run["rows"], run["mode"]
         t = np.array([r["time/elapsed_s"] for r in rows])
         reward = np.array([r["reward/mean"] for r in rows])
-        moving = np.convolve(reward, np.ones(MOVING) / MOVING, mode="valid")
+        moving, window = moving_mean(reward)
         label = mode if run["seed"] == runs[0]["seed"] else None
-        ax_r.plot(t[MOVING - 1 :], moving, color=colors[mode], alpha=0.8, lw=1.2, label=label)
+        ax_r.plot(t[window - 1 :], moving, color=colors[mode], alpha=0.8, lw=1.2, label=label)
         evals = [(r["time/elapsed_s"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
         ax_e.plot(*zip(*evals), color=colors[mode], alpha=0.8, lw=1.2, marker=".", label=label)
     ax_r.axhline(threshold, color="gray", ls=":", lw=1)
@@ -188,7 +197,11 @@ def main() -> None:
             workdir = out / f"{mode}_seed{seed}"
             if args.reuse or mode not in args.modes.split(","):
                 if not (workdir / "benchmark_run.json").exists():
-                    sys.exit(f"error: {workdir} holds no finished {mode} run to read (no benchmark_run.json)")
+                    if args.reuse:
+                        sys.exit(f"error: {workdir} holds no finished {mode} run to read (no benchmark_run.json)")
+                    # a mode left out of --modes is compared when an earlier invocation trained it
+                    print(f"note: no finished {mode} run in {workdir}: seed {seed} is not compared", file=sys.stderr)
+                    continue
                 timing = json.loads((workdir / "benchmark_run.json").read_text())
             else:
                 timing = train(config, workdir, [*overrides, f"--config.seed={seed}", *extra])
@@ -198,7 +211,11 @@ def main() -> None:
             runs.append({**run, "rows": rows})
 
     by = {(r["mode"], r["seed"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs})
+    seeds = sorted({r["seed"] for r in runs if ("april", r["seed"]) in by and ("sync", r["seed"]) in by})
+    plot(runs, png, args.reward_threshold)
+    if not seeds:
+        print(f"note: no seed has both modes in {out}: nothing to compare (figure: {png})", file=sys.stderr)
+        return
     ratios = [by["april", s]["median_rollout_s"] / by["sync", s]["median_rollout_s"] for s in seeds]
     steady = [by["april", s]["median_rollout_steady_s"] / by["sync", s]["median_rollout_steady_s"] for s in seeds]
     final = {m: [by[m, s]["eval_last"] for s in seeds] for m in ("april", "sync")}
@@ -230,7 +247,6 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "png": str(png),
     }
-    plot(runs, png, args.reward_threshold)
     print(json.dumps(overall, indent=1))
 
 

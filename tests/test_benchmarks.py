@@ -142,12 +142,8 @@ def test_engine_benchmark_runs_and_matches_transformers_greedy():
     assert row["jax_engine_tokens_per_s"] > 0 and row["hf_generate_tokens_per_s"] > 0
 
 
-def test_april_vs_sync_summary_takes_the_compiles_out_of_the_steady_median():
-    """Rollout seconds 1.0 / 0.2 / 2.5 / 0.3 / 0.4 after step 0, of which 0 / 0 / 2.2 / 0 / 0 compiling:
-    the median is 0.4 with compiles, 0.3 without (hand-computed)."""
-    from benchmarks import april_vs_sync
-
-    rollout, compile_s = [9.0, 1.0, 0.2, 2.5, 0.3, 0.4], [8.0, 0.0, 0.0, 2.2, 0.0, 0.0]
+def april_vs_sync_rows(rollout, compile_s, eval_first=0.3, eval_last=0.5):
+    """metrics.jsonl rows of a finished run (the keys `april_vs_sync.summarize` reads)."""
     rows = [
         {
             "step": i,
@@ -162,7 +158,68 @@ def test_april_vs_sync_summary_takes_the_compiles_out_of_the_steady_median():
         }
         for i, (r, c) in enumerate(zip(rollout, compile_s))
     ]
+    rows[0].update({"eval/accuracy": eval_first, "eval/version": 0})
+    rows[-1].update({"eval/accuracy": eval_last, "eval/version": len(rows)})
+    return rows
+
+
+def test_april_vs_sync_summary_takes_the_compiles_out_of_the_steady_median():
+    """Rollout seconds 1.0 / 0.2 / 2.5 / 0.3 / 0.4 after step 0, of which 0 / 0 / 2.2 / 0 / 0 compiling:
+    the median is 0.4 with compiles, 0.3 without (hand-computed)."""
+    from benchmarks import april_vs_sync
+
+    rows = april_vs_sync_rows([9.0, 1.0, 0.2, 2.5, 0.3, 0.4], [8.0, 0.0, 0.0, 2.2, 0.0, 0.0])
     summary = april_vs_sync.summarize(rows, threshold=0.9)
     assert summary["median_rollout_s"] == 0.4
     assert abs(summary["median_rollout_steady_s"] - 0.3) < 1e-12
     assert summary["rollout_compile_s"] == 10.2
+
+
+def test_april_vs_sync_compares_only_the_seeds_that_have_both_modes(tmp_path, monkeypatch, capsys):
+    """Runs trained by earlier invocations (`--modes` trains none here): seed 0 has both modes, seed
+    1 only APRIL. Seed 1 is reported alone, not an error, and the comparison is over seed 0."""
+    from benchmarks import april_vs_sync
+
+    for mode, seed, last in (("april", 0, 0.5), ("sync", 0, 0.6), ("april", 1, 0.4)):
+        workdir = tmp_path / f"{mode}_seed{seed}"
+        workdir.mkdir()
+        rows = april_vs_sync_rows([9.0, 1.0, 2.0], [8.0, 0.0, 0.0], eval_last=last)
+        (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (workdir / "benchmark_run.json").write_text(json.dumps({"wall_s": 3.0, "cpu_s": 2.0}))
+    argv = [
+        "april_vs_sync",
+        "--config",
+        str(ROOT / "configs/tiny.py"),
+        "--seeds",
+        "0,1",
+        "--modes",
+        "",
+        "--out",
+        str(tmp_path),
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    april_vs_sync.main()
+    out, err = capsys.readouterr()
+    runs = [json.loads(line) for line in out.splitlines() if line.startswith("{") and line.endswith("}")]
+    assert [(r["mode"], r["seed"], r["eval_last"]) for r in runs] == [
+        ("april", 0, 0.5),
+        ("sync", 0, 0.6),
+        ("april", 1, 0.4),
+    ]
+    overall = json.loads(out[out.index("{\n") :])
+    assert overall["seeds"] == [0] and overall["eval_last"]["april"]["mean"] == 0.5
+    assert "no finished sync run" in err and "seed 1 is not compared" in err
+    assert (tmp_path / "april_vs_sync.png").exists()
+
+
+def test_april_vs_sync_seconds_to_reward_in_a_run_shorter_than_the_moving_window():
+    """3 steps (under the 10-step window): the mean of all 3 rewards, (0.2 + 1 + 1) / 3 = 0.733,
+    reaches 0.7 at the last step (elapsed 3.0 s)."""
+    from benchmarks import april_vs_sync
+
+    rows = april_vs_sync_rows([9.0, 1.0, 2.0], [8.0, 0.0, 0.0])
+    for row, reward in zip(rows, (0.2, 1.0, 1.0)):
+        row["reward/mean"] = reward
+    summary = april_vs_sync.summarize(rows, threshold=0.7)
+    assert (summary["steps_to_reward"], summary["seconds_to_reward"]) == (2, 3.0)
+    assert april_vs_sync.summarize(rows, threshold=0.8)["seconds_to_reward"] is None

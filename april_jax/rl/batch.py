@@ -10,9 +10,24 @@ from april_jax.rl.advantages import group_advantages
 from april_jax.rollout.types import Group
 
 
-def pad_length(n: int, multiple: int = 32) -> int:
-    """Round sequence lengths up so only a few batch shapes compile."""
-    return max(multiple, -(-n // multiple) * multiple)
+def pad_length(n: int, multiple: int = 32, max_len: int | None = None) -> int:
+    """The train batch's padded length for a longest sequence of `n` tokens: every jitted train
+    step compiles once per length, so lengths come from a short list. Multiples of `multiple` up to
+    8 of them, then four sizes per doubling (10, 12, 14, 16, 20, 24, ... multiples: at most a
+    quarter of padding), so 17k-token sequences meet ~30 lengths, not one per multiple; never past
+    `max_len` (the longest prompt plus response the run allows) rounded up to `multiple`."""
+    size = max(multiple, -(-n // multiple) * multiple)
+    if size > 8 * multiple:
+        octave = 8 * multiple
+        while size > 2 * octave:
+            octave *= 2
+        step = octave // 4
+        size = -(-size // step) * step
+    if max_len is not None:
+        cap = max(multiple, -(-max_len // multiple) * multiple)
+        if n <= cap:
+            size = min(size, cap)
+    return size
 
 
 def groups_to_batch(
@@ -21,6 +36,7 @@ def groups_to_batch(
     advantage_mode: str = "grpo",
     batch_norm: bool = False,
     pad_multiple: int = 32,
+    max_len: int | None = None,
     rewards_GN=None,
 ) -> dict:
     """input_ids [B, S]; loss_mask / behaviour_logp / versions [B, S-1] aligned to the predicted
@@ -31,7 +47,7 @@ def groups_to_batch(
         rewards_GN = np.array([[s.reward for s in g.samples] for g in groups], np.float32)
     adv = np.asarray(group_advantages(rewards_GN, mode=advantage_mode, batch_norm=batch_norm)).reshape(-1)
     samples = [s for g in groups for s in g.samples]
-    S = pad_length(max(len(s.prompt_ids) + len(s.response_ids) for s in samples), pad_multiple)
+    S = pad_length(max(len(s.prompt_ids) + len(s.response_ids) for s in samples), pad_multiple, max_len)
     B = len(samples)
     input_ids = np.zeros((B, S), np.int32)
     loss_mask = np.zeros((B, S - 1), np.float32)
