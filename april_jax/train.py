@@ -223,6 +223,11 @@ def _open_metrics(run: Run, cleanup) -> None:
     cleanup.callback(run.writer.close)
 
 
+def _max_model_len(c) -> int:
+    """The longest prompt + response of the run: the engine's context and the train batch's widest length."""
+    return c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
+
+
 def _start_engine(run: Run, cleanup) -> None:
     """The rollout engine on process 0, from the trainer's weights (every process joins the gather)."""
     from april_jax.training.builders import build_engine
@@ -233,8 +238,7 @@ def _start_engine(run: Run, cleanup) -> None:
     )
     engine_model = distributed.engine_model(run.trainer, run.engine_mesh)
     if distributed.is_main():
-        max_model_len = c.rollout.max_model_len or (c.data.max_prompt_len + c.rollout.max_response_len)
-        run.engine = build_engine(c, engine_model, max_model_len, run.state.version)
+        run.engine = build_engine(c, engine_model, _max_model_len(c), run.state.version)
         cleanup.callback(run.engine.shutdown)
         run.state.attach_engine(run.engine)
 
@@ -313,7 +317,7 @@ def _share_batch(run: Run, groups: list) -> tuple[dict | None, dict]:
                 groups,
                 advantage_mode=c.loss.advantage,
                 batch_norm=c.loss.advantage_batch_norm,
-                max_len=c.data.max_prompt_len + c.rollout.max_response_len,
+                max_len=_max_model_len(c),
             )
             shared["rewards_failed"] = all_failed(groups)
         run.engine.sleep()

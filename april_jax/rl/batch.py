@@ -10,24 +10,24 @@ from april_jax.rl.advantages import group_advantages
 from april_jax.rollout.types import Group
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def pad_length(n: int, multiple: int = 32, max_len: int | None = None) -> int:
     """The train batch's padded length for a longest sequence of `n` tokens: every jitted train
     step compiles once per length, so lengths come from a short list. Multiples of `multiple` up to
     8 of them, then four sizes per doubling (10, 12, 14, 16, 20, 24, ... multiples: at most a
     quarter of padding), so 17k-token sequences meet ~30 lengths, not one per multiple; never past
-    `max_len` (the longest prompt plus response the run allows) rounded up to `multiple`."""
-    size = max(multiple, -(-n // multiple) * multiple)
+    `max_len` (the run's longest prompt + response) rounded up to `multiple`."""
+    size = max(multiple, _round_up(n, multiple))
     if size > 8 * multiple:
         octave = 8 * multiple
         while size > 2 * octave:
             octave *= 2
-        step = octave // 4
-        size = -(-size // step) * step
-    if max_len is not None:
-        cap = max(multiple, -(-max_len // multiple) * multiple)
-        if n <= cap:
-            size = min(size, cap)
-    return size
+        size = _round_up(size, octave // 4)
+    cap = max(multiple, _round_up(max_len, multiple)) if max_len else None
+    return min(size, cap) if cap is not None and n <= cap else size
 
 
 def groups_to_batch(
