@@ -1,6 +1,6 @@
 """Train-step throughput of a ~40M-parameter Qwen3 and its fraction of a measured matmul peak.
 
-    python -m benchmarks.train_step [--batch 8] [--seq 512] [--micro 8] [--epochs 1]
+    python -m benchmarks.train_step [--batch 8] [--seq 512] [--micro 8] [--epochs 1] [--zero-adv-frac 0]
 
 The peak is measured in the same run with a large jnp.dot (fp32), so machine noise affects both.
 One rollout batch is `Trainer.update` with `--epochs` PPO epochs, as train.py runs it; `step_s` is
@@ -9,7 +9,9 @@ including the lm_head, plus causal attention: the score and value products over 
 query-key pairs at or below the diagonal (6 L T^2 H D per sequence for fwd+bwd), the work a causal
 kernel has to do; with 2+ epochs, plus pi_old's forward once per batch (2N per token and
 2 L T^2 H D, shared by the epochs; one epoch takes pi_old from its own forward). With --remat the
-recomputed forward is not counted: the fraction is of model FLOPs, as MFU is.
+recomputed forward is not counted: the fraction is of model FLOPs, as MFU is. `--zero-adv-frac`
+gives that share of the rows advantage 0 (GRPO groups of equal rewards), whose micro-batches the
+step skips; the FLOPs count the computed rows only, `step_s` is the whole step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--remat", default="none", choices=["none", "full", "dots"])
     parser.add_argument("--epochs", type=int, default=1, help="PPO epochs per rollout batch (train.num_iterations)")
+    parser.add_argument(
+        "--zero-adv-frac", type=float, default=0.0, help="share of rows with advantage 0 (skipped micro-batches)"
+    )
     args = parser.parse_args()
+    if not 0 <= args.zero_adv_frac <= 1:
+        parser.error(f"--zero-adv-frac {args.zero_adv_frac}: a share in [0, 1]")
     if args.seq < 66:  # 64 prompt tokens, then at least one response token
         parser.error(f"--seq {args.seq}: at least 66 (64 prompt tokens + a response)")
     if args.epochs < 1:
@@ -63,6 +70,7 @@ def main():
         "versions": np.zeros((B, S - 1), np.int32),
         "advantages": rng.normal(size=B).astype(np.float32),
     }
+    batch["advantages"][B - round(args.zero_adv_frac * B) :] = 0.0
     trainer = Trainer(qwen3.init_model(cfg), LossConfig(), OptimizerConfig(lr=1e-6), micro_batch_size=args.micro)
     t = time.perf_counter()
     trainer.update(batch, 0, args.epochs)
@@ -70,14 +78,15 @@ def main():
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        trainer.update(batch, 0, args.epochs)
+        metrics = trainer.update(batch, 0, args.epochs)
         times.append((time.perf_counter() - t) / args.epochs)
+    computed = metrics["train/computed_rows_frac"]
     step_s = min(times)
     peak = matmul_peak_flops()
     T = S - 1
     L, H, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
     forward = 2 * cfg.num_params * B * T + 2 * L * T * T * H * D * B
-    flops = 3 * forward + (forward / args.epochs if args.epochs > 1 else 0)
+    flops = 3 * forward * computed + (forward / args.epochs if args.epochs > 1 else 0)
     print(
         json.dumps(
             {
@@ -90,6 +99,8 @@ def main():
                 "micro_batch": args.micro,
                 "remat": args.remat,
                 "epochs": args.epochs,
+                "zero_adv_frac": args.zero_adv_frac,
+                "computed_rows_frac": round(computed, 3),
                 "compile_s": round(compile_s, 2),
                 "step_s": round(step_s, 3),
                 "tokens_per_s": round(B * T / step_s, 1),

@@ -201,3 +201,29 @@ def test_one_epoch_takes_pi_old_from_its_own_forward_and_equals_a_recomputed_pi_
     # ~1e-5 of a 3e-2 step
     np.testing.assert_allclose(flat(own.params), flat(given.params), rtol=1e-5, atol=2e-5)
     assert np.abs(flat(own.params) - initial).max() > 1e-3  # the update moved the params
+
+
+def test_micro_batches_of_zero_advantage_are_skipped_and_the_update_is_the_same():
+    batch = random_batch(B=8)
+    batch["advantages"][[1, 2, 5, 6]] = 0.0  # two groups of equal rewards, interleaved with the rest
+    full = Trainer(qwen3.init_model(TINY_QWEN3, seed=1), LOSS, OptimizerConfig(lr=1e-3))
+    skipping = Trainer(qwen3.init_model(TINY_QWEN3, seed=1), LOSS, OptimizerConfig(lr=1e-3), micro_batch_size=2)
+    m_full, g_full = full.loss_and_grads(batch, 4)
+    m_skip, g_skip = skipping.loss_and_grads(batch, 4)
+    assert float(m_full["train/computed_rows_frac"]) == 1.0
+    assert float(m_skip["train/computed_rows_frac"]) == 0.5  # 2 of 4 micro-batches computed
+    np.testing.assert_allclose(float(m_skip["train/loss"]), float(m_full["train/loss"]), rtol=1e-5)
+    np.testing.assert_allclose(flat(g_skip), flat(g_full), atol=1e-6, rtol=1e-4)
+    assert np.abs(flat(g_full)).max() > 1e-4
+    # The other metrics then cover the micro-batches computed: those of a batch of their rows alone.
+    trained = {k: v[[0, 3, 4, 7]] for k, v in batch.items()}
+    alone = Trainer(qwen3.init_model(TINY_QWEN3, seed=1), LOSS, OptimizerConfig(lr=1e-3), micro_batch_size=2)
+    m_rows, _ = alone.loss_and_grads(trained, 4)
+    np.testing.assert_allclose(float(m_skip["train/entropy"]), float(m_rows["train/entropy"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m_skip["train/ppo_kl"]), float(m_rows["train/ppo_kl"]), atol=1e-6)
+    # A step on a batch of equal rewards only computes nothing, and moves nothing (Adam from zero state).
+    idle = dict(batch, advantages=np.zeros(8, np.float32))
+    before = flat(skipping.params)
+    metrics = skipping.step(idle, 4)
+    assert metrics["train/computed_rows_frac"] == 0.0 and metrics["train/grad_norm"] == 0.0
+    np.testing.assert_array_equal(flat(skipping.params), before)

@@ -6,7 +6,10 @@ explicit in/out shardings and donated params and optimiser state. Gradients accu
 micro-batches in a `lax.scan`, so activation memory is bounded by the micro-batch; the loss
 divides by batch-wide denominators, so the micro-batched gradient equals the full-batch one.
 A step whose loss, gradient or updated params are not finite is skipped (params and optimiser
-state unchanged) and counted.
+state unchanged) and counted. Without a KL term or an entropy bonus, rows of zero advantage (GRPO
+groups of equal rewards) carry no gradient: they are moved to the batch's end and a micro-batch of
+only such rows is not computed (`train/computed_rows_frac`); the update is the same. The metrics
+other than the loss then cover the computed micro-batches.
 
 Batch (numpy or jax, S = padded prompt + response length, T = S - 1 prediction positions):
     input_ids [B, S] int32; loss_mask [B, T] (1 where the target token is a response token);
@@ -285,8 +288,22 @@ class Trainer:
 
     def _grads_impl(self, n_micro, params, batch, current_version):
         batch = {k: v for k, v in batch.items() if k != "rewards"}
-        denoms = denominators(effective_mask(self.loss_cfg, batch["loss_mask"], batch["versions"], current_version))
+        mask_eff_BT = effective_mask(self.loss_cfg, batch["loss_mask"], batch["versions"], current_version)
+        denoms = denominators(mask_eff_BT)
+        B = batch["input_ids"].shape[0]
+        # Without a KL term or an entropy bonus, a row whose advantage is 0 (a group of equal
+        # rewards, GRPO's common case) contributes exactly zero gradient. Those rows go last and a
+        # micro-batch made only of them skips its forward and backward: the same update for less.
+        skip_idle = not self.loss_cfg.kl_coef and not self.loss_cfg.entropy_coef
+        if skip_idle:
+            trains_B = (batch["advantages"] != 0) & mask_eff_BT.any(-1)
+            order_B = jnp.argsort(~trains_B, stable=True)
+            batch = jax.tree.map(lambda x: jnp.take(x, order_B, axis=0), batch)
+            mask_eff_BT, trains_B = mask_eff_BT[order_B], trains_B[order_B]
+        else:
+            trains_B = jnp.ones((B,), bool)
         micro = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
+        computed_M = trains_B.reshape(n_micro, -1).any(-1)
 
         def loss_fn(p, mb):
             logp, entropy = token_logprobs(
@@ -306,13 +323,42 @@ class Trainer:
                 entropy_BT=entropy,
             )
 
-        def body(grads, mb):
-            (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-            return jax.tree.map(jnp.add, grads, g), metrics
+        first = jax.tree.map(lambda x: x[0], micro)
+        metric_shapes = jax.eval_shape(lambda: loss_fn(params, first)[1])
+
+        def body(grads, xs):
+            mb, computed = xs
+
+            def compute():
+                (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+                return jax.tree.map(jnp.add, grads, g), metrics
+
+            def idle():
+                return grads, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
+
+            return jax.lax.cond(computed, compute, idle)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, metrics = jax.lax.scan(body, zeros, micro)
-        summed = ("train/loss", "train/pg_loss", "train/kl", "train/entropy")
-        metrics = {k: (v.sum() if k in summed else v.mean()) for k, v in metrics.items()}
+        grads, metrics = jax.lax.scan(body, zeros, (micro, computed_M))
+        # Sums of batch-normalised terms add up across micro-batches; the entropy, a metric only,
+        # is rescaled to the rows computed; per-micro-batch means average over those computed.
+        computed_rows_B = jnp.repeat(computed_M, B // n_micro)
+        entropy_scale = 1.0
+        if skip_idle:
+            denoms_computed = denominators(mask_eff_BT & computed_rows_B[:, None])
+            unit = "tokens" if self.loss_cfg.loss_agg_mode == "token-mean" else "seqs"
+            entropy_scale = denoms[unit] / denoms_computed[unit]
+        weight_M = computed_M.astype(jnp.float32)
+        summed = ("train/loss", "train/pg_loss", "train/kl")
+
+        def reduce(name, v):
+            if name in summed:
+                return v.sum()
+            if name == "train/entropy":
+                return v.sum() * entropy_scale
+            return (v * weight_M).sum() / jnp.maximum(weight_M.sum(), 1.0)
+
+        metrics = {k: reduce(k, v) for k, v in metrics.items()}
+        metrics["train/computed_rows_frac"] = computed_rows_B.mean(dtype=jnp.float32)
         metrics["train/grad_norm"] = optax.tree.norm(grads)
         return grads, metrics
