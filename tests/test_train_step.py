@@ -221,9 +221,13 @@ def test_micro_batches_of_zero_advantage_are_skipped_and_the_update_is_the_same(
     m_rows, _ = alone.loss_and_grads(trained, 4)
     np.testing.assert_allclose(float(m_skip["train/entropy"]), float(m_rows["train/entropy"]), rtol=1e-5)
     np.testing.assert_allclose(float(m_skip["train/ppo_kl"]), float(m_rows["train/ppo_kl"]), atol=1e-6)
-    # A step on a batch of equal rewards only computes nothing, and moves nothing (Adam from zero state).
+    # A step on a batch of equal rewards only computes its first micro-batch (so that a diverged model
+    # still shows in the loss) and moves nothing (Adam from zero state).
     idle = dict(batch, advantages=np.zeros(8, np.float32))
     before = flat(skipping.params)
     metrics = skipping.step(idle, 4)
-    assert metrics["train/computed_rows_frac"] == 0.0 and metrics["train/grad_norm"] == 0.0
+    assert metrics["train/computed_rows_frac"] == 0.25 and metrics["train/grad_norm"] == 0.0
     np.testing.assert_array_equal(flat(skipping.params), before)
+    broken = Trainer(qwen3.init_model(TINY_QWEN3, seed=1), LOSS, OptimizerConfig(lr=1e-3), micro_batch_size=2)
+    broken.params = jax.tree.map(lambda x: x * np.float32(np.inf), broken.params)
+    assert broken.step(idle, 4)["train/skipped"] == 1

@@ -8,7 +8,8 @@ divides by batch-wide denominators, so the micro-batched gradient equals the ful
 A step whose loss, gradient or updated params are not finite is skipped (params and optimiser
 state unchanged) and counted. Without a KL term or an entropy bonus, rows of zero advantage (GRPO
 groups of equal rewards) carry no gradient: they are moved to the batch's end and a micro-batch of
-only such rows is not computed (`train/computed_rows_frac`); the update is the same. The metrics
+only such rows is not computed, bar the first (so a diverged model still shows in the loss)
+(`train/computed_rows_frac`); the update is the same. The metrics
 other than the loss then cover the computed micro-batches.
 
 Batch (numpy or jax, S = padded prompt + response length, T = S - 1 prediction positions):
@@ -303,7 +304,9 @@ class Trainer:
         else:
             trains_B = jnp.ones((B,), bool)
         micro = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
-        computed_M = trains_B.reshape(n_micro, -1).any(-1)
+        # The first micro-batch always runs (after the sort it holds the rows that train, if any):
+        # a model gone non-finite still shows in the loss when every reward was equal.
+        computed_M = trains_B.reshape(n_micro, -1).any(-1).at[0].set(True)
 
         def loss_fn(p, mb):
             logp, entropy = token_logprobs(
