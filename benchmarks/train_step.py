@@ -70,7 +70,7 @@ def main():
         "versions": np.zeros((B, S - 1), np.int32),
         "advantages": rng.normal(size=B).astype(np.float32),
     }
-    batch["advantages"][B - round(args.zero_adv_frac * B) :] = 0.0
+    batch["advantages"][: round(args.zero_adv_frac * B)] = 0.0  # the step sorts them to the end
     trainer = Trainer(qwen3.init_model(cfg), LossConfig(), OptimizerConfig(lr=1e-6), micro_batch_size=args.micro)
     t = time.perf_counter()
     trainer.update(batch, 0, args.epochs)

@@ -224,8 +224,8 @@ class Train:
     micro_batch_size: int = key(
         0,
         "sequences per forward/backward (gradients accumulate); 0: the whole batch; "
-        "must divide rollout_batch_size x n_samples_per_prompt; a micro-batch of only zero-advantage "
-        "rows is skipped (no KL or entropy term), so n_samples_per_prompt skips each group of equal rewards",
+        "must divide rollout_batch_size x n_samples_per_prompt; without a KL or entropy term a micro-batch "
+        "of only zero-advantage rows is skipped: n_samples_per_prompt skips every group of equal rewards",
         ge=0,
     )
     num_iterations: int = key(1, "PPO epochs (optimiser steps) over each rollout batch", gt=0)

@@ -8,9 +8,9 @@ divides by batch-wide denominators, so the micro-batched gradient equals the ful
 A step whose loss, gradient or updated params are not finite is skipped (params and optimiser
 state unchanged) and counted. Without a KL term or an entropy bonus, rows of zero advantage (GRPO
 groups of equal rewards) carry no gradient: they are moved to the batch's end and a micro-batch of
-only such rows is not computed, bar the first (so a diverged model still shows in the loss)
-(`train/computed_rows_frac`); the update is the same. The metrics
-other than the loss then cover the computed micro-batches.
+only such rows is not computed, except the first, so a diverged model still shows in the loss
+(`train/computed_rows_frac` is the share computed). The update is the same; the metrics other
+than the loss then cover the computed micro-batches.
 
 Batch (numpy or jax, S = padded prompt + response length, T = S - 1 prediction positions):
     input_ids [B, S] int32; loss_mask [B, T] (1 where the target token is a response token);
@@ -339,7 +339,7 @@ class Trainer:
             def idle():
                 return grads, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
 
-            return jax.lax.cond(computed, compute, idle)
+            return jax.lax.cond(computed, compute, idle) if skip_idle else compute()
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, metrics = jax.lax.scan(body, zeros, (micro, computed_M))
