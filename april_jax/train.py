@@ -25,6 +25,7 @@ from april_jax import config as config_lib
 from april_jax.config import ConfigError
 from april_jax.runtime import distributed
 from april_jax.runtime.errors import Stopped, TrainingError
+from april_jax.training.plan import Plan, plan_for_run, write_plan
 from april_jax.training.run_state import RunState
 from april_jax.training.task import Task, build_task
 
@@ -37,6 +38,7 @@ def run(c, stop: distributed.StopSignal | None = None) -> dict:
     started = time.perf_counter()
     stop = stop or distributed.StopSignal()
     workdir = check_workdir(c.workdir)  # before anything is loaded
+    plan = plan_for_run(c, log=lambda line: print(line, file=sys.stderr))  # before JAX's backend starts
     cache = compile_cache.enable(c.train.compile_cache_dir)  # before the first compile
     if cache:
         print(f"XLA compilation cache: {cache} (--config.train.compile_cache_dir= turns it off)", file=sys.stderr)
@@ -45,13 +47,13 @@ def run(c, stop: distributed.StopSignal | None = None) -> dict:
     if lock is not None and workdir.exists():
         lock.acquire()  # a second trainer stops here, before loading anything
     try:
-        return _run(c, workdir, lock, started, stop)
+        return _run(c, workdir, lock, started, stop, plan)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(c, workdir: Path, lock, started: float, stop) -> dict:
+def _run(c, workdir: Path, lock, started: float, stop, plan: Plan) -> dict:
     from april_jax.models import sharding
     from april_jax.runtime import compile_clock
 
@@ -60,7 +62,7 @@ def _run(c, workdir: Path, lock, started: float, stop) -> dict:
     task = build_task(c, c.model.path or None)
     with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse, however the run ends
         cleanup.callback(task.reward.close)
-        run = _build(c, workdir, lock, mesh, task, cleanup, stop, started)
+        run = _build(c, workdir, lock, mesh, task, cleanup, stop, started, plan)
         compile_clock.install()
         last = {}
         for step in range(run.state.step, c.train.total_steps):
@@ -82,6 +84,7 @@ class Run:
     eval_scorer: object
     stop: distributed.StopSignal
     started: float
+    plan: Plan
     writer: object = None
     engine: object = None
     engine_mesh: object = None
@@ -92,12 +95,12 @@ class Run:
 
 
 # ---- building the run ----
-def _build(c, workdir: Path, lock, mesh, task: Task, cleanup, stop, started: float) -> Run:
+def _build(c, workdir: Path, lock, mesh, task: Task, cleanup, stop, started: float, plan: Plan) -> Run:
     from april_jax.rl.failed_rewards import MarkFailedRewards
     from april_jax.rl.rewards import GroupScorer
     from april_jax.rollout.april import April
 
-    trainer, ckpt, warmed_up = _build_trainer(c, workdir, lock, mesh, task, cleanup)
+    trainer, ckpt, warmed_up = _build_trainer(c, workdir, lock, mesh, task, cleanup, plan)
     scorer = GroupScorer(task.reward, task.decode, task.decode_prompt, _overlong_penalty(c))
     april = April(config_lib.rollout_cfg(c, task.stop_ids), task.train, MarkFailedRewards(scorer, task.reward))
     run = Run(
@@ -111,6 +114,7 @@ def _build(c, workdir: Path, lock, mesh, task: Task, cleanup, stop, started: flo
         GroupScorer(task.reward, task.decode, task.decode_prompt),
         stop,
         started,
+        plan,
     )
     latest = _resume(run)
     if distributed.is_main():
@@ -122,7 +126,7 @@ def _build(c, workdir: Path, lock, mesh, task: Task, cleanup, stop, started: flo
     return run
 
 
-def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup):
+def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup, plan: Plan):
     """The policy's Trainer (after the supervised warm-up of a fresh run), the run's Checkpointer,
     and whether the run warmed up."""
     import jax
@@ -143,6 +147,8 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup):
     ckpt.check_resumable(json.loads(c.to_json()), model.cfg.to_hf_config())
     if distributed.is_main():  # process 0 owns the rollout and the workdir's files (runtime/distributed.py)
         (workdir / "config.json").write_text(c.to_json(indent=2))
+        write_plan(plan, workdir)
+        print(plan.summary_line(workdir / "plan.txt"), file=sys.stderr)
     warmed_up = fresh and bool(c.warmup.steps)
     if warmed_up:  # fresh run: supervised warm-up before RL on the task's examples
         _warm_up(c, model, task)
@@ -238,7 +244,7 @@ def _start_engine(run: Run, cleanup) -> None:
     )
     engine_model = distributed.engine_model(run.trainer, run.engine_mesh)
     if distributed.is_main():
-        run.engine = build_engine(c, engine_model, _max_model_len(c), run.state.version)
+        run.engine = build_engine(c, engine_model, _max_model_len(c), run.state.version, run.plan)
         cleanup.callback(run.engine.shutdown)
         run.state.attach_engine(run.engine)
 

@@ -26,7 +26,11 @@ from april_jax.runtime import distributed
 from april_jax.runtime.errors import Stopped, TrainingError
 
 USAGE = """usage: python -m april_jax.train --config FILE [--config.KEY=VALUE ...]
+       python -m april_jax.train --config FILE --plan [--plan-devices 8xH100-80GB] [--json]
        python -m april_jax.train --help [KEY.PREFIX]   (e.g. --help rollout, --help loss.kl_coef)
+
+--plan prints the deployment plan (what trains and serves where, the bytes on every device) and
+starts nothing; --plan-devices plans for other hardware (COUNTxNAME-MEMGB).
 
 FILE is a Python file whose get_config() returns the config (configs/*.py); --config.KEY=VALUE
 overrides one key. Keys (type, default; allowed values), each with what it does:
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
             fail(str(e))
         print((USAGE + "\n" if not prefix else "") + keys)
         return
+    plan_args, argv = split_plan_args(argv)
+    if plan_args is not None:
+        show_plan(argv, **plan_args)
+        return
     stop = distributed.StopSignal().install()  # from here on a signal only asks the loop to stop
     c = None
     try:
@@ -97,6 +105,49 @@ def main(argv: list[str] | None = None) -> None:
         raise
     finally:
         stop.uninstall()
+
+
+def split_plan_args(argv: list[str]) -> tuple[dict | None, list[str]]:
+    """`--plan`, `--plan-devices SPEC` and `--json` taken out of argv: (their values or None, the rest)."""
+    rest, found, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--plan":
+            found["plan"] = True
+        elif arg == "--json":
+            found["as_json"] = True
+        elif arg == "--plan-devices" or arg.startswith("--plan-devices="):
+            if "=" in arg:
+                found["spec"] = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                found["spec"], i = argv[i + 1], i + 1
+            else:
+                fail("--plan-devices needs a spec, e.g. 8xH100-80GB")
+        else:
+            rest.append(arg)
+        i += 1
+    if not found:
+        return None, rest
+    if not found.pop("plan", False):
+        fail("--plan-devices and --json go with --plan (python -m april_jax.train --config FILE --plan ...)")
+    return found, rest
+
+
+def show_plan(argv: list[str], spec: str | None = None, as_json: bool = False) -> None:
+    """Print the deployment plan and start nothing: no JAX backend, no workdir, no server. Exit 2
+    (after the plan) when it does not fit."""
+    from april_jax.training import devices as devices_lib
+    from april_jax.training.plan import make_plan
+
+    try:
+        c = load_config(argv)
+        devices = devices_lib.parse_spec(spec) if spec else devices_lib.local_devices()
+        plan = make_plan(c, devices)
+    except (ConfigError, devices_lib.DeviceSpecError, FileNotFoundError) as e:
+        fail(str(e))
+    print(plan.to_json() if as_json else plan.table())
+    if not plan.fits:
+        fail(plan.error_line())
 
 
 def _fail_on_bad_input(e: Exception) -> None:

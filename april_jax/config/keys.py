@@ -189,6 +189,23 @@ class Rollout(RolloutConfig):
     free_kv_cache_in_train: bool = key(
         True, "jax engine: free its KV cache during train steps (verl's free_cache_engine)"
     )
+    deployment: str = key(
+        "colocated",
+        "where rollout runs on a GPU node: 'colocated' (every GPU trains and serves) or 'disaggregated' "
+        "(rollout.gpus serve, the rest train); the deployment plan (--plan) lays it out",
+        choices=("colocated", "disaggregated"),
+    )
+    gpus: int = key(0, "disaggregated: GPUs that serve rollout; 0: half of them", ge=0, le=MAX_WORKERS)
+    tensor_parallel: int = key(
+        0, "vllm: tensor-parallel size of each server; 0: the plan's (the smallest whose KV cache fits)", ge=0, le=64
+    )
+    servers: int = key(
+        0, "vllm on a CPU host: servers to launch, each pinned to its own cores; 0: one (GPUs: one per GPU group)", ge=0
+    )
+    kv_cache_bytes: int = key(
+        0, "vllm: KV cache bytes a GPU of each server; 0: what the plan leaves (capped at max_num_seqs full sequences)", ge=0
+    )
+    enforce_eager: bool = key(False, "vllm on a GPU: no CUDA graphs (CPU servers are always eager)")
     engine_devices: int = key(
         0,
         "jax engine: how many of process 0's devices it runs on (a copy of the weights, "
@@ -231,6 +248,12 @@ class Train:
     num_iterations: int = key(1, "PPO epochs (optimiser steps) over each rollout batch", gt=0)
     max_skipped_steps: int = key(
         3, "stop with an error after this many consecutive skipped (non-finite or all-rewards-failed) steps", gt=0
+    )
+    offload: str = key(
+        "auto",
+        "the optimizer state on the host while the engine generates (back before the update, bit-identical): "
+        "'auto' when the deployment plan needs the room",
+        choices=("auto", "on", "off"),
     )
     compile_cache_dir: str = key(
         "~/.cache/april_jax/xla",

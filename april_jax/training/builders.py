@@ -87,7 +87,8 @@ def build_reference(c, mesh, model, workdir: Path, fresh: bool):
     )
 
 
-def build_engine(c, model, max_model_len: int, version: int) -> EngineProtocol:
+def build_engine(c, model, max_model_len: int, version: int, plan=None) -> EngineProtocol:
+    """The run's rollout engine, as the deployment plan (`training/plan.py`) lays it out."""
     if c.rollout.engine == "jax":
         from april_jax.rollout.jax_engine import JaxEngine
 
