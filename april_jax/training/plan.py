@@ -314,7 +314,9 @@ def make_plan(c, devices: Devices, vocab_size: int | None = None, logprob_chunk:
     problems, fixes = [], []
     n = devices.count
     if deployment == "disaggregated" and not devices.is_gpu:
-        problems.append("rollout.deployment='disaggregated' needs GPUs (a CPU host serves and trains on the same cores)")
+        problems.append(
+            "rollout.deployment='disaggregated' needs GPUs (a CPU host serves and trains on the same cores)"
+        )
         deployment = "colocated"
     if deployment == "disaggregated":
         serve_n = c.rollout.gpus or n // 2
@@ -357,9 +359,7 @@ def make_plan(c, devices: Devices, vocab_size: int | None = None, logprob_chunk:
         rollout["memory"] = "simulated (rollout.engine='sim': no model on any device)"
         _plan_trainer_env(plan, usable, colocated_server=0)
     if trainer_peak > usable:
-        problems.append(
-            f"the trainer needs {trainer_peak / GB:.1f} GB a device, the device has {usable / GB:.1f} GB"
-        )
+        problems.append(f"the trainer needs {trainer_peak / GB:.1f} GB a device, the device has {usable / GB:.1f} GB")
         fixes.extend(_trainer_fixes(c, tb, mesh, devices))
     plan.fixes = list(dict.fromkeys(fixes))
     return plan
@@ -408,8 +408,10 @@ def _plan_vllm(c, plan: Plan, shape: ModelShape, serve_ids: list[int], usable: f
     cb = DTYPE_BYTES[c.model.compute_dtype]
     max_len, seqs, kv_tok = plan.model["max_model_len"], c.rollout.max_num_seqs, plan.model["kv_bytes_per_token"]
     colocated = plan.deployment == "colocated"
-    modes = ("alone",) if not colocated else {"auto": ("static", "time_shared"), "on": ("time_shared",)}.get(
-        c.train.offload, ("static", "time_shared")
+    modes = (
+        ("alone",)
+        if not colocated
+        else {"auto": ("static", "time_shared"), "on": ("time_shared",)}.get(c.train.offload, ("static", "time_shared"))
     )
     options = []
     for tp in _tensor_parallel_choices(c, shape, len(serve_ids)):
@@ -434,14 +436,18 @@ def _plan_vllm(c, plan: Plan, shape: ModelShape, serve_ids: list[int], usable: f
             want = c.rollout.kv_cache_bytes or -(-seqs * max_len * kv_tok // tp)  # all slots at full length
             kv = int(max(min(room, want), 0))
             options.append((tp, memory, offload, fixed, kv, kv * tp // kv_tok, beside))
-    fitting = [o for o in options if o[5] >= max_len and (not c.rollout.kv_cache_bytes or o[4] >= c.rollout.kv_cache_bytes)]
+    fitting = [
+        o for o in options if o[5] >= max_len and (not c.rollout.kv_cache_bytes or o[4] >= c.rollout.kv_cache_bytes)
+    ]
     if not options:
         plan.problems.append("the update does not fit beside a sleeping server on any tensor-parallel size")
         return
     tp, memory, offload, fixed, kv, tokens, beside = fitting[0] if fitting else max(options, key=lambda o: o[5])
     if not fitting:
         if c.rollout.kv_cache_bytes and kv < c.rollout.kv_cache_bytes:
-            plan.problems.append(f"rollout.kv_cache_bytes={c.rollout.kv_cache_bytes}: only {kv / GB:.2f} GB a GPU is left for KV")
+            plan.problems.append(
+                f"rollout.kv_cache_bytes={c.rollout.kv_cache_bytes}: only {kv / GB:.2f} GB a GPU is left for KV"
+            )
         else:
             plan.problems.append(
                 f"a server's KV cache holds {tokens:,} tokens, less than one sequence of prompt + response "
@@ -455,7 +461,9 @@ def _plan_vllm(c, plan: Plan, shape: ModelShape, serve_ids: list[int], usable: f
     rollout["sleep_level"] = 1 if memory == "time_shared" else 0
     plan.trainer["offload"] = offload
     server_total = sum(fixed.values()) + kv
-    _plan_trainer_env(plan, usable, colocated_server=server_total if memory == "static" else 0, time_shared=memory == "time_shared")
+    _plan_trainer_env(
+        plan, usable, colocated_server=server_total if memory == "static" else 0, time_shared=memory == "time_shared"
+    )
     # vLLM's start check wants this share of the GPU free: what the server takes, within what the
     # trainer leaves (its --kv-cache-memory-bytes, not this share, sizes the cache)
     share = max(math.floor(min(server_total / usable + 0.01, 1 - beside / usable - 0.01, 0.95) * 1000) / 1000, 0.0)
@@ -519,7 +527,9 @@ def _plan_vllm_cpu(c, plan: Plan, usable: float) -> None:
 
 
 def _core_list(ids: list[int]) -> str:
-    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+    return (
+        f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+    )
 
 
 def _plan_jax_engine(c, plan: Plan, shape: ModelShape, usable: float) -> None:
@@ -585,6 +595,8 @@ def render_table(plan: Plan) -> str:
             f"  {s.name}: {what} {_ids(s.devices)}, tensor parallel {s.tensor_parallel}, KV {s.kv_tokens:,} tokens "
             f"({s.kv_cache_bytes / GB:.2f} GB), max_num_seqs {s.max_num_seqs}"
             + (", eager" if s.enforce_eager else ", CUDA graphs")
+            + "; "
+            + " ".join(f"{k}={v}" for k, v in s.env.items())
         )
     if r["servers"] and plan.devices.is_gpu:
         for k, v in r["servers"][0].bytes_per_device.items():
@@ -603,7 +615,9 @@ def render_table(plan: Plan) -> str:
 
 
 def _ids(ids: list[int]) -> str:
-    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+    return (
+        f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+    )
 
 
 def print_plan(plan: Plan, as_json: bool, file=sys.stdout) -> None:
