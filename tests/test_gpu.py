@@ -353,3 +353,7 @@ def test_device_check_dry_run_writes_its_summary(tmp_path):
     (update,) = bench["gpu_bf16_update"]
     assert update["mixed_update_cosine_vs_fp32"] > 0.9 and "bf16_changed_frac" in update
     assert all(goal["met"] is None for goal in summary["goals"].values())  # judged on a GPU only
+    plan, run = bench["gpu_plan_run"]
+    assert plan["part"] == "plan" and plan["fits"] and plan["rollout"]["engine"] == "jax"
+    assert run["part"] == "colocated_run" and run["planned_peak_bytes"] > 0 and run["last_loss"] is not None
+    assert summary["problems"]["items_skipped_on_purpose"] == ["gpu_april_smollm2"]

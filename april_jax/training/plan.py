@@ -48,6 +48,7 @@ import sys
 from pathlib import Path
 
 from april_jax.rollout.cost_model import MODELS, ModelShape, matmul_params
+from april_jax.rollout.vllm.server import planned_argv
 from april_jax.training.devices import GB, Devices
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -485,6 +486,7 @@ def _plan_vllm(c, plan: Plan, shape: ModelShape, serve_ids: list[int], usable: f
             env={devices.visible_env: ",".join(map(str, ids))},
         )
         s.args = vllm_args(s)
+        s.argv = planned_argv(c, s, plan.model["max_model_len"], devices.is_gpu)
         rollout["servers"].append(s)
 
 
@@ -522,6 +524,7 @@ def _plan_vllm_cpu(c, plan: Plan, usable: float) -> None:
             env={"VLLM_CPU_OMP_THREADS_BIND": _core_list(ids)},
         )
         s.args = vllm_args(s)
+        s.argv = planned_argv(c, s, plan.model["max_model_len"], devices.is_gpu)
         rollout["servers"].append(s)
     rollout["memory"] = "cpu"
 
@@ -624,7 +627,7 @@ def print_plan(plan: Plan, as_json: bool, file=sys.stdout) -> None:
     print(plan.to_json() if as_json else plan.table(), file=file)
 
 
-def plan_for_run(c, log=None) -> Plan:
+def plan_for_run(c, vocab_size: int | None = None, log=None) -> Plan:
     """This host's plan for a run, before JAX's backend starts: an impossible plan is a ConfigError
     (one line naming the keys that would make it fit); the trainer's allocator variables are set
     unless the environment already sets them (then the environment wins, and `log` says so)."""
@@ -634,7 +637,7 @@ def plan_for_run(c, log=None) -> Plan:
     from april_jax.training.devices import local_devices
 
     try:
-        plan = make_plan(c, local_devices())
+        plan = make_plan(c, local_devices(), vocab_size)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     if not plan.fits:
