@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from april_jax.cli.ckpt import describe
+from april_jax.cli.ckpt import ORBAX_SNIPPET, describe
 from april_jax.training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,12 +121,25 @@ def test_ckpt_inspect_and_export_hf(uninterrupted, tmp_path):
     )
     assert cli.returncode == 0 and json.loads(cli.stdout)["step"] == STEPS
 
-    subprocess.run(
+    # the README's plain-orbax snippet, as written there
+    snippet = ORBAX_SNIPPET.replace("CHECKPOINTS_DIR", repr(str(uninterrupted / "checkpoints")))
+    assert ORBAX_SNIPPET.replace("CHECKPOINTS_DIR", '"runs/tiny/checkpoints"') in (ROOT / "README.md").read_text()
+    lines = snippet.splitlines()
+    plain = subprocess.run(
+        [sys.executable, "-c", "\n".join([*lines[:-1], f"print(({lines[-1]})[0].shape, ({lines[-1]})[1])"])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert plain.returncode == 0 and plain.stdout.split() == ["(16,", "64)", str(STEPS)], plain.stderr[-2000:]
+    export = subprocess.run(
         [sys.executable, "-m", "april_jax.cli.ckpt", "export-hf", str(uninterrupted), str(tmp_path / "hf")],
         check=True,
         capture_output=True,
+        text=True,
         cwd=ROOT,
     )
+    assert f"(step {STEPS} of {uninterrupted})" in export.stdout
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     from april_jax.models import hf
 

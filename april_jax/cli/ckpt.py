@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 
+from april_jax.cli import prog
 from april_jax.runtime.checkpoints import read_meta, resolve_step_dir
 from april_jax.runtime.errors import CheckpointError
 
@@ -40,6 +41,7 @@ def describe(path) -> dict:
     samples = [s for g in buffer for s in g["samples"]]
     return {
         "path": str(step_dir),
+        "items": ORBAX_ITEMS,
         "step": meta["step"],
         "policy_version": meta["version"],
         "data_position": meta["data"],
@@ -56,6 +58,20 @@ def describe(path) -> dict:
         },
         "dropped_prompts": len(meta["april"]["dropped"]),
     }
+
+
+# How each item of a step was saved (runtime/checkpoints.py): with plain orbax, restore them by
+# name with these args; `CheckpointManager(dir).restore(step)` without args knows no handler.
+ORBAX_ITEMS = {
+    "params": "ocp.args.StandardSave: the policy's parameters (a nested dict of arrays)",
+    "opt_state": "ocp.args.StandardSave: the optax AdamW state (its own tree; restore it with a target)",
+    "meta": "ocp.args.JsonSave: step, policy version, RNG, data position, APRIL buffer, config",
+}
+ORBAX_SNIPPET = """import orbax.checkpoint as ocp
+mngr = ocp.CheckpointManager(CHECKPOINTS_DIR, item_names=("params", "opt_state", "meta"))
+step = mngr.latest_step()
+got = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+got.params["embed_tokens"], got.meta["version"]"""
 
 
 def check_export_target(out, force: bool = False, step_dir=None) -> None:
@@ -79,7 +95,8 @@ def check_export_target(out, force: bool = False, step_dir=None) -> None:
         )
 
 
-def export_hf(path, out, force: bool = False) -> None:
+def export_hf(path, out, force: bool = False) -> int:
+    """Write the checkpoint at `path` as a Hugging Face checkpoint in `out`; the step exported."""
     import jax
     import orbax.checkpoint as ocp
     from flax import nnx
@@ -102,6 +119,7 @@ def export_hf(path, out, force: bool = False) -> None:
     nnx.replace_by_pure_dict(state, params)
     hf.save_pretrained(nnx.merge(graphdef, state), out)
     write_tokenizer(tokenizer_dir, out)
+    return int(meta["step"])
 
 
 TOKENIZER_FILES = (
@@ -162,7 +180,7 @@ def write_tokenizer(tokenizer_dir, out) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m april_jax.cli.ckpt", description="Inspect and export training checkpoints."
+        prog=prog("april_jax.cli.ckpt"), description="Inspect and export training checkpoints."
     )
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="{inspect,export-hf}")
     where = "a workdir, its checkpoints dir, or one step's dir (the latest step when not a step dir)"
@@ -197,6 +215,9 @@ def main(argv=None) -> None:
                 f"{info['path']}\n  step {info['step']}  policy version {info['policy_version']}  "
                 f"data position {info['data_position']}  skipped steps {info['skipped_steps']}"
             )
+            print("  orbax items (read them with plain orbax: README, 'Reading a checkpoint'):")
+            for name, how in info["items"].items():
+                print(f"    {name:<10} {how}")
             print(f"  parameters: {info['num_params']:,}")
             for prm in info["params"]:
                 print(f"    {prm['name']:<50} {str(tuple(prm['shape'])):<16} {prm['dtype']:<9} {prm['sharding']}")
@@ -206,8 +227,8 @@ def main(argv=None) -> None:
                 f"{b['partial_samples']} partial samples, {b['tokens']} tokens; dropped prompts {info['dropped_prompts']}"
             )
         else:
-            export_hf(args.path, args.out, force=args.force)
-            print(f"wrote {args.out}")
+            step = export_hf(args.path, args.out, force=args.force)
+            print(f"wrote {args.out} (step {step} of {resolve_step_dir(args.path).parent.parent})")
     except (CheckpointError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

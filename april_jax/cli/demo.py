@@ -6,10 +6,12 @@ same embedded engine that generates training rollouts (continuous batching, KV c
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 from april_jax import assets
+from april_jax.cli import prog
 from april_jax.data.tokenizer import ChatTokenizer
 from april_jax.models import hf
 from april_jax.rollout.jax_engine import JaxEngine
@@ -17,7 +19,15 @@ from april_jax.rollout.types import Request, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
-    questions = (sys.argv[1:] if argv is None else argv) or ["What is the capital of France?", "What is 12 + 30?"]
+    parser = argparse.ArgumentParser(
+        prog=prog("april_jax.cli.demo"),
+        description="SmolLM2-135M-Instruct answers each question greedily on the embedded JAX engine.",
+    )
+    parser.add_argument("questions", nargs="*", help="questions to answer (default: two examples)")
+    questions = parser.parse_args(sys.argv[1:] if argv is None else argv).questions or [
+        "What is the capital of France?",
+        "What is 12 + 30?",
+    ]
     path = assets.smollm2_135m_instruct()
     t = time.perf_counter()
     model = hf.from_pretrained(path)

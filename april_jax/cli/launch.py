@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from april_jax.cli import prog
+
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -41,6 +43,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_unusable(port: int) -> str | None:
+    """Why the coordinator could not listen on 127.0.0.1:`port`, or None. Checked before any process
+    starts: JAX's coordinator crashes process 0 (gRPC 'Failed to add port', SIGSEGV) on a taken port."""
+    if not 0 < port < 65536:
+        return "not a TCP port (1-65535)"
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return "already in use" if e.errno == 98 else (e.strerror or str(e))
+    return None
 
 
 def process_env(base: dict, index: int, nprocs: int, port: int, cpu_devices: int | None) -> dict:
@@ -180,7 +195,7 @@ def launch(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m april_jax.cli.launch",
+        prog=prog("april_jax.cli.launch"),
         description=__doc__.split("\n\n")[0],
         epilog="Every other argument goes to python -m april_jax.train.",
     )
@@ -207,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--stop-grace-s={ours.stop_grace_s}: must be >= 0")
     if ours.cpu_devices_per_process is not None and ours.cpu_devices_per_process < 1:
         parser.error(f"--cpu-devices-per-process={ours.cpu_devices_per_process}: must be >= 1")
+    if ours.port is not None and (why := port_unusable(ours.port)):
+        print(f"error: --port {ours.port}: {why} (leave --port out for a free one)", file=sys.stderr)
+        raise SystemExit(2)
     raise SystemExit(
         launch(
             ours.nprocs,

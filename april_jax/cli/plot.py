@@ -17,6 +17,7 @@ import math
 import sys
 from pathlib import Path
 
+from april_jax.cli import prog
 from april_jax.training.metrics import MetricsError, read_metrics
 
 # (title, y label, [(metric, legend suffix)], smoothed?, y limits)
@@ -173,7 +174,7 @@ def time_panel(ax, runs) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m april_jax.cli.plot", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog=prog("april_jax.cli.plot"), description=__doc__.split("\n\n")[1])
     parser.add_argument("runs", nargs="+", help="workdirs (each with a metrics.jsonl)")
     parser.add_argument("--out", help="PNG path (default RUN/plots/dashboard.png)")
     parser.add_argument("--smooth", type=float, default=0.6, help="EMA weight in [0, 1), 0: off")

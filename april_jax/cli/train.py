@@ -20,6 +20,7 @@ import sys
 import warnings
 
 from april_jax import config as config_lib
+from april_jax.cli import prog
 from april_jax.config import ConfigError
 from april_jax.config.loading import load_config
 from april_jax.runtime import distributed
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
             keys = config_lib.help_text(prefix)
         except ConfigError as e:
             fail(str(e))
-        print((USAGE + "\n" if not prefix else "") + keys)
+        usage = USAGE.replace("python -m april_jax.train", prog("april_jax.train"))
+        print((usage + "\n" if not prefix else "") + keys)
         return
     plan_args, argv = split_plan_args(argv)
     if plan_args is not None:

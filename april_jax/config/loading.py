@@ -28,6 +28,18 @@ def _check_config_file(argv: list[str]) -> str:
     return str(path)
 
 
+def _flag_error_line(text: str, file: str) -> str:
+    """absl's message in one line with its reason: a config file that failed to parse puts the
+    reason on the traceback's last line (e.g. `get_config() takes 0 positional arguments`)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "Error whilst parsing config file" in text and len(lines) > 1:
+        reason = lines[-1]
+        if "get_config() takes 0 positional arguments" in reason:
+            reason += " (FILE:ARG passes ARG to get_config(); this file's takes none)"
+        return f"config file {file}: {reason}"
+    return lines[0] if lines else text
+
+
 def load_config(argv: list[str]):
     """Parse --config FILE and --config.* overrides with ml_collections config_flags."""
     from absl import flags
@@ -46,7 +58,7 @@ def load_config(argv: list[str]):
             f"config file {file}: get_config() called sys.exit({e.code!r}) instead of returning a config"
         ) from None
     except (flags.Error, KeyError, TypeError, ValueError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(_flag_error_line(str(e), file)) from None
     except Exception as e:  # the config file's own code failed (get_config raised): name the file
         raise ConfigError(
             f"config file {file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

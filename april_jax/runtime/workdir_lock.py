@@ -43,6 +43,9 @@ class WorkdirLock:
             self._fd = None
 
 
+NAME_MAX = 255  # bytes in one path component on Linux file systems (ext4, xfs, tmpfs)
+
+
 def check_workdir(value: str) -> Path:
     """The run's folder, checked before anything is loaded: an empty value (an unset shell
     variable) would train in the current folder and overwrite whatever config.json is there."""
@@ -52,6 +55,12 @@ def check_workdir(value: str) -> Path:
             "e.g. --config.workdir=runs/NAME"
         )
     workdir = Path(value)
+    too_long = next((part for part in workdir.parts if len(os.fsencode(part)) > NAME_MAX), None)
+    if too_long is not None:
+        raise ConfigError(
+            f"config key 'workdir': the folder name {too_long[:40]!r}... is {len(os.fsencode(too_long))} bytes "
+            f"long; file systems take at most {NAME_MAX}"
+        )
     for folder in reversed([workdir, *workdir.parents]):  # from the root down: the first file names the problem
         if folder.exists() and not folder.is_dir():
             where = "is a file" if folder == workdir else f"is under {folder}, which is a file"
