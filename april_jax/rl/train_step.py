@@ -83,19 +83,55 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     )
 
 
-def token_logprobs(model: Qwen3, input_ids_BS, temperature: float = 1.0, entropy_grad: bool = False):
+# Sequence positions whose [B, C, V] fp32 logits exist at once in `token_logprobs`; 0: all of them.
+# At Qwen3's vocabulary of 151,936 a row's 1024 positions are 0.6 GB of logits, a 16k-token row's
+# would be 10 GB (and as much again for the probabilities). Read when the step is traced.
+LOGPROB_CHUNK = 1024
+
+
+def _logprobs_and_entropy(model: Qwen3, hidden_BCM, targets_BC, temperature: float, entropy_grad: bool):
+    """(logp_BC, entropy_BC) of positions whose final hidden states are `hidden_BCM`.
+
+    Via logsumexp rather than a materialised log_softmax (one less [B, C, V] pass).
+    """
+    logits_BCV = model.logits(hidden_BCM).astype(jnp.float32) / temperature
+    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    logp_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0] - lse_BC
+    maybe_sg = (lambda x: x) if entropy_grad else jax.lax.stop_gradient
+    probs_BCV = jnp.exp(maybe_sg(logits_BCV) - maybe_sg(lse_BC)[..., None])
+    entropy_BC = maybe_sg(lse_BC) - jnp.sum(probs_BCV * maybe_sg(logits_BCV), axis=-1)
+    return logp_BC, entropy_BC
+
+
+def token_logprobs(
+    model: Qwen3, input_ids_BS, temperature: float = 1.0, entropy_grad: bool = False, chunk: int | None = None
+):
     """(logp_BT, entropy_BT) of each next token, fp32, at the sampling temperature.
 
-    Via logsumexp rather than a materialised log_softmax (one less [B, T, V] pass); the entropy
-    carries no gradient unless `entropy_grad` (it is then only a metric).
+    The entropy carries no gradient unless `entropy_grad` (it is then only a metric). The logits
+    are made `chunk` positions at a time (default `LOGPROB_CHUNK`; 0 or T <= chunk: all at once),
+    each chunk rematerialised in the backward: the step never holds the [B, T, V] logits, whose
+    fp32 size grows with the response length times the vocabulary.
     """
-    logits_BTV = model(input_ids_BS[:, :-1]).astype(jnp.float32) / temperature
-    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    logp_BT = jnp.take_along_axis(logits_BTV, input_ids_BS[:, 1:, None], axis=-1)[..., 0] - lse_BT
-    maybe_sg = (lambda x: x) if entropy_grad else jax.lax.stop_gradient
-    probs_BTV = jnp.exp(maybe_sg(logits_BTV) - maybe_sg(lse_BT)[..., None])
-    entropy_BT = maybe_sg(lse_BT) - jnp.sum(probs_BTV * maybe_sg(logits_BTV), axis=-1)
-    return logp_BT, entropy_BT
+    chunk = LOGPROB_CHUNK if chunk is None else chunk
+    hidden_BTM, _ = model.hidden(input_ids_BS[:, :-1])
+    targets_BT = input_ids_BS[:, 1:]
+    per_chunk = partial(_logprobs_and_entropy, model, temperature=temperature, entropy_grad=entropy_grad)
+    B, T, M = hidden_BTM.shape
+    if chunk <= 0 or T <= chunk:
+        return per_chunk(hidden_BTM, targets_BT)
+    n = -(-T // chunk)
+    C = -(-T // n)  # n equal chunks of at most `chunk`: fewer than n padded positions, not a chunk's worth
+    pad = n * C - T
+    hidden_NBCM = jnp.pad(hidden_BTM, ((0, 0), (0, pad), (0, 0))).reshape(B, n, C, M).swapaxes(0, 1)
+    targets_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n, C).swapaxes(0, 1)
+    # Nothing inside a chunk is kept for the backward, which recomputes the chunk's logits from its
+    # hidden states: one more lm-head matmul instead of [B, T, V] logits and probabilities held
+    # from the forward to the backward.
+    remat_chunk = jax.checkpoint(lambda xs: per_chunk(*xs), prevent_cse=False)
+    logp_NBC, entropy_NBC = jax.lax.map(remat_chunk, (hidden_NBCM, targets_NBC))
+    unchunk = lambda x_NBC: x_NBC.swapaxes(0, 1).reshape(B, n * C)[:, :T]
+    return unchunk(logp_NBC), unchunk(entropy_NBC)
 
 
 def _nest(flat: dict[tuple, object]) -> dict:
