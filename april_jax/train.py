@@ -335,6 +335,11 @@ def _share_batch(run: Run, groups: list) -> tuple[dict | None, dict]:
 def _stop(run: Run, signum: int) -> None:
     """Every process is here at the same step: the collective save of the last finished one, then Stopped."""
     run.stop.signum = signum
+    if run.trainer.optimizer_offloaded:  # back for the save (the device state, as a scheduled save writes)
+        if run.engine is not None:  # in the room of the engine's KV, which the run no longer needs
+            run.engine.abort_all()  # a rollout given up part way leaves requests in flight
+            run.engine.sleep()
+        run.trainer.restore_optimizer()
     done = run.ckpt.write_now(run.finished and run.finished(), run.trainer.params, run.trainer.opt_state, run.last_good)
     raise Stopped.after(signum, done, run.c.train.total_steps, run.ckpt.directory)
 
@@ -345,12 +350,16 @@ def _update(run: Run, batch: dict, rewards_failed: bool) -> dict:
     if rewards_failed:  # nothing to learn from: a broken reward function is not a zero reward
         trainer.skipped_steps += 1
         return {"train/skipped": 1.0, "train/skipped_steps": trainer.skipped_steps}
+    trainer.restore_optimizer()  # from the host, if the plan offloaded it for the rollout
     return trainer.update(batch, run.state.version, run.c.train.num_iterations)
 
 
 def _sync_weights(run: Run) -> None:
-    """The next policy version to the engine (woken up from the update)."""
+    """The next policy version to the engine (woken up from the update); the optimizer state to the
+    host first when the plan offloads it, so that the engine's KV cache gets its room."""
     run.state.version += 1
+    if run.plan.trainer["offload"]:
+        run.trainer.offload_optimizer()
     # the simulated engine has no model: the trainer's own state (no copy), not a gather to process 0
     if run.c.rollout.engine != "sim":
         weights = distributed.engine_state(run.trainer, run.engine_mesh)
@@ -385,11 +394,32 @@ def _save_if_due(run: Run, done_steps: int, skipped: bool) -> dict:
     if not run.save_due or skipped:
         return {}
     t = time.perf_counter()
-    run.ckpt.save(done_steps, run.trainer.params, run.trainer.opt_state, run.state.meta(done_steps))
+    with _optimizer_on_device(run):
+        run.ckpt.save(done_steps, run.trainer.params, run.trainer.opt_state, run.state.meta(done_steps))
     if hasattr(run.engine, "release_held"):  # a run resumed from here holds no KV: neither does this one
         run.engine.release_held()
     run.save_due, run.last_good = False, done_steps
     return {"time/ckpt_s": time.perf_counter() - t}
+
+
+@contextlib.contextmanager
+def _optimizer_on_device(run: Run):
+    """An offloaded optimizer state back on the device while a checkpoint saves it (orbax and its
+    finite check then read what an update leaves), the engine asleep meanwhile: the plan offloads
+    when the state and the engine's KV cache do not fit together. The engine is idle here."""
+    trainer = run.trainer
+    if not trainer.optimizer_offloaded:
+        yield
+        return
+    if run.engine is not None:
+        run.engine.sleep()
+    trainer.restore_optimizer()
+    try:
+        yield
+    finally:
+        trainer.offload_optimizer()
+        if run.engine is not None:
+            run.engine.wake_up()
 
 
 def _check_skipped(run: Run, step: int, skipped: bool, rewards_failed: bool, metrics: dict) -> None:

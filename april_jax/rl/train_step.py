@@ -188,6 +188,7 @@ class Trainer:
             self.opt_state = jax.jit(self.tx.init)(self.params)
         self._step_fns: dict = {}
         self.ref_params = self._reference_params(reference) if self.loss_cfg.kl_coef else None
+        self._opt_device_shardings = None  # set while the optimizer state is on the host
 
     def _reference_params(self, reference: Qwen3 | None):
         """A device copy of the reference's params with the policy's shardings (never via the host).
@@ -291,6 +292,8 @@ class Trainer:
     def step(self, batch: dict, current_version: int) -> dict:
         """One optimiser step on `batch` (see module docstring). An unprepared batch gets its pi_old
         from the current params: call `prepare` once when stepping on one batch several times."""
+        if self.optimizer_offloaded:
+            raise RuntimeError("Trainer.step: the optimizer state is on the host; call restore_optimizer() first")
         batch = self.prepare(batch, fix_pi_old=False)
         n_micro = self._micro(batch["input_ids"].shape[0])
         fn = self._jitted("step", n_micro, "ref_logp" in batch)
@@ -300,6 +303,61 @@ class Trainer:
         self.step_count += 1
         metrics["train/skipped_steps"] = self.skipped_steps
         return metrics
+
+    # ---- the optimizer state on the host while the engine generates ----
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return self._opt_device_shardings is not None
+
+    def offload_optimizer(self) -> None:
+        """Move the optimizer state to host memory and free its device buffers: a rollout never
+        reads it, and its room goes to the engine's KV cache. `restore_optimizer` brings it back
+        bit for bit, on the same shardings. Meanwhile `opt_state` is the host copy (a checkpoint
+        can save it as it is). A no-op when it is on the host already."""
+        if self.optimizer_offloaded:
+            return
+        shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self.opt_state = self._moved(self.opt_state, self._host_copy(self.opt_state, shardings))
+        self._opt_device_shardings = shardings
+
+    def restore_optimizer(self) -> None:
+        """The optimizer state back on its device shardings (before an update); a no-op when it is there."""
+        if not self.optimizer_offloaded:
+            return
+        shardings, self._opt_device_shardings = self._opt_device_shardings, None
+        self.opt_state = self._moved(self.opt_state, jax.device_put(self.opt_state, shardings))
+
+    @staticmethod
+    def _host_copy(tree, shardings):
+        """A host copy of `tree`: arrays in 'pinned_host' memory on the same shardings where the
+        backend has that memory kind (GPU, TPU, CPU), else numpy copies; `jax.device_put` with the
+        device shardings brings either back."""
+        kind = Trainer._host_memory_kind()
+        if kind is not None:
+            return jax.device_put(tree, jax.tree.map(lambda s: s.with_memory_kind(kind), shardings))
+        if not all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+            raise RuntimeError(
+                "Trainer.offload_optimizer: no host memory kind on this backend for a multi-process state"
+            )
+        return jax.tree.map(np.array, tree)  # a copy: on CPU, device_get may alias the buffer
+
+    @staticmethod
+    def _host_memory_kind() -> str | None:
+        try:
+            kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
+        except (AttributeError, NotImplementedError, RuntimeError):  # a backend without memory kinds
+            return None
+        return "pinned_host" if "pinned_host" in kinds else None
+
+    @staticmethod
+    def _moved(old, new):
+        """`new` once its copy is complete, with `old`'s buffers deleted: the memory is free on return."""
+        jax.block_until_ready(new)
+        kept = {id(x) for x in jax.tree.leaves(new)}  # a leaf already where it was asked to go is not a copy
+        for x in jax.tree.leaves(old):
+            if isinstance(x, jax.Array) and id(x) not in kept:
+                x.delete()
+        return new
 
     def loss_and_grads(self, batch: dict, current_version: int):
         """(metrics, grads) without updating: for tests and diagnostics."""
