@@ -1,5 +1,7 @@
 """APRIL vs the synchronous baseline on the same engine and the same prompts.
 
+    python -m benchmarks.rollout --engine sim --config configs/qwen3_4b.py --plan-devices 8xH200-141GB
+                                 [--config.KEY=VALUE ...] [--steps 8] [--seed 0] [--png busy.png]
     python -m benchmarks.rollout --engine sim [--cost h200-qwen3-4b] [--replicas 8] [--steps 8] [--seed 0]
                                  [--deployment colocated|disaggregated] [--png busy.png]
     python -m benchmarks.rollout --engine sim --cost cpu-jax       # the earlier CPU-calibrated model, one engine
@@ -11,6 +13,18 @@ for the JAX engine so it fits on CPU). APRIL is the product's defaults (`Rollout
 `rollout.partial_rollout=true` runs on every engine); a flag overrides one setting only when given.
 Sync: over_sampling_batch_size = rollout_batch_size = 32, partial_rollout off. The policy version
 goes up by one after every step, as in training.
+
+`--config FILE --plan-devices SPEC` (sim only) simulates what a run of that config would launch on
+those devices (`april_jax/training/plan.py`, as `python -m april_jax.train --config FILE --plan
+--plan-devices SPEC` prints it): one replica per vLLM server, the roofline of the plan's device
+(`cost_model.DEVICES`) at the server's tensor-parallel size, the server's KV tokens and
+max_num_seqs as its KV budget and slots, the plan's deployment, its sleep level (0: the server
+stays resident beside the trainer and keeps its KV through the update, no sleep paid; 1: it sleeps
+and loses its KV) and its training GPUs; and the config's rollout settings (batch, samples per
+prompt, over-sampling, max_response_len, max_staleness and the other APRIL keys; dynamic sampling
+off: the simulation has no rewards). `--config.KEY=VALUE` overrides a key; the flags the plan
+decides (--cost, --replicas, --slots, --deployment, --train-gpus, --max-response-len) are refused
+with it. The JSON adds `plan`: the plan's summary.
 
 Accounting (figures over the steps after the first quarter, `--warmup-steps`):
 - delivered tokens only: response tokens of the groups delivered to training; tokens still in
@@ -27,7 +41,13 @@ Accounting (figures over the steps after the first quarter, `--warmup-steps`):
 - `free_limit_tokens_per_s`: the delivered tokens over the least time any schedule needs for them
   on these replicas (every slot busy, KV budget full, each prompt prefilled once, the syncs and
   sleeps paid; `cost_model.time_lower_bound_s`): independent of the schedule and of any staleness
-  cap; `april_fraction_of_free_limit` is the headline fraction.
+  cap; `april_fraction_of_free_limit` is the headline fraction;
+- `cap_estimate_fraction_of_free_limit` (roofline): what share of that bound a schedule of
+  uniform (or two-lane) concurrency without prefill reaches when every response must be decoded
+  within max_staleness + 1 steps of time (`benchmarks/probes/rollout_cap_estimate.py`, with these
+  replicas, slots, KV budget and response budget); `april_fraction_of_cap_estimate` is APRIL's
+  fraction of the free bound over it. An estimate, not a proof: finish_wait lets a step run past
+  its target, so APRIL can pass it.
 On the JAX engine the model is a tiny random Qwen3 whose responses stop at lengths drawn from the
 same distribution (via a per-sample length budget), so the length tail is the seed's and not an
 accident of random weights; `limit_tokens_per_s` there is measured with every slot busy.
@@ -36,8 +56,10 @@ accident of random weights; `limit_tokens_per_s` there is measured with every sl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import sys
 
 import numpy as np
 
@@ -47,6 +69,7 @@ from april_jax.rollout.april import April
 from april_jax.rollout.config import RolloutConfig
 from april_jax.rollout.sim_engine import DEPLOYMENTS, draw_length, length_key
 from april_jax.rollout.sim_replicas import SimReplicas
+from benchmarks.probes import rollout_cap_estimate
 
 
 def prompts(seed: int, length: int, vocab: int = 1000):
@@ -171,17 +194,132 @@ OVERRIDES = (
 
 
 def rollout_config(mode: str, args) -> RolloutConfig:
-    common = dict(
-        rollout_batch_size=32, n_samples_per_prompt=8, max_response_len=args.max_response_len, temperature=1.0
-    )
+    setup = getattr(args, "plan_setup", None)
+    if setup is not None:
+        base = setup.rollout
+    else:
+        base = RolloutConfig(
+            rollout_batch_size=32, n_samples_per_prompt=8, max_response_len=args.max_response_len, temperature=1.0
+        )
     if mode == "sync":
-        return RolloutConfig(**common, over_sampling_batch_size=32, partial_rollout=False)
+        return dataclasses.replace(base, over_sampling_batch_size=base.rollout_batch_size, partial_rollout=False)
     given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k, None) is not None}
-    return RolloutConfig(**common, partial_rollout=True, **given)
+    return dataclasses.replace(base, partial_rollout=True, **given)
+
+
+@dataclasses.dataclass
+class PlanSetup:
+    """What a config's deployment plan launches, in the simulator's terms."""
+
+    cost: cost_model.Roofline  # one server
+    servers: int
+    deployment: str
+    sleeps: bool
+    train_gpus: int
+    gpus: int  # every GPU the plan uses
+    rollout: RolloutConfig
+    summary: dict  # the JSON's `plan`
+
+
+def plan_setup(config_argv: list[str], spec: str, step_overhead_ms=None, train_mfu=None) -> PlanSetup:
+    """The plan of `--config FILE [--config.KEY=VALUE ...]` on `spec`, as a roofline per server.
+    Raises ConfigError or DeviceSpecError with one line."""
+    from april_jax.config import ConfigError, keys
+    from april_jax.config.loading import load_config
+    from april_jax.training import plan as plan_lib
+    from april_jax.training.devices import parse_spec
+
+    c = load_config(["benchmarks.rollout", *config_argv])
+    devices = parse_spec(spec)
+    if devices.name not in cost_model.DEVICES:
+        raise ConfigError(
+            f"--plan-devices {spec!r}: the simulator has roofline figures for {', '.join(cost_model.DEVICES)} only"
+        )
+    plan = plan_lib.make_plan(c, devices)
+    if not plan.fits:
+        raise ConfigError(plan.error_line())
+    servers = plan.servers
+    if not servers:
+        raise ConfigError(
+            f"the plan of {spec} launches no vLLM servers (rollout.engine={c.rollout.engine!r}, "
+            f"{plan.rollout['memory']}): the simulator models vLLM servers (--config.rollout.engine=vllm)"
+        )
+    (tp,), (kv,), (seqs,) = ({getattr(s, k) for s in servers} for k in ("tensor_parallel", "kv_tokens", "max_num_seqs"))
+    shape, _ = plan_lib.model_shape(c)
+    overrides = {}
+    if step_overhead_ms is not None:
+        overrides["step_overhead_s"] = step_overhead_ms / 1000
+    if train_mfu is not None:
+        overrides["train_mfu"] = train_mfu
+    cost = cost_model.for_device(
+        devices.name,
+        shape,
+        name=f"{devices.name.lower()}-tp{tp}-plan",
+        hbm_bytes=devices.bytes_per_device,
+        tensor_parallel=tp,
+        kv_tokens=kv,
+        dtype_bytes=plan_lib.DTYPE_BYTES[c.model.compute_dtype],
+        **overrides,
+    )
+    # the same model and KV sizes as the plan's, or the two disagree on what they simulate
+    assert cost.params == plan.model["parameters"] and cost.kv_bytes_per_token == plan.model["kv_bytes_per_token"]
+    sleep_level = plan.rollout["sleep_level"]
+    train_gpus = len(plan.trainer["devices"])
+    serving = sorted({d for s in servers for d in s.devices})
+    rollout = dataclasses.replace(keys.rollout_cfg(c), dynamic_sampling=False)
+    summary = {
+        "devices": devices.describe(),
+        "config": list(config_argv),
+        "deployment": plan.deployment,
+        "servers": len(servers),
+        "tensor_parallel": tp,
+        "kv_tokens_per_server": kv,
+        "kv_cache_bytes_per_gpu": servers[0].kv_cache_bytes,
+        "max_num_seqs": seqs,
+        "sleep_level": sleep_level,
+        "memory": plan.rollout["memory"],
+        "train_gpus": train_gpus,
+        "trainer_mesh": plan.trainer["mesh"],
+        "model": plan.model["shape_from"],
+        "parameters": plan.model["parameters"],
+        "max_model_len": plan.model["max_model_len"],
+    }
+    return PlanSetup(
+        cost=cost,
+        servers=len(servers),
+        deployment=plan.deployment,
+        sleeps=sleep_level > 0,
+        train_gpus=train_gpus,
+        gpus=len(set(serving) | set(plan.trainer["devices"])),
+        rollout=rollout,
+        summary=summary,
+    )
 
 
 def train_gpus(args) -> int:
+    if getattr(args, "plan_setup", None) is not None:
+        return args.plan_setup.train_gpus
     return args.replicas if args.deployment == "colocated" else (args.train_gpus or args.replicas)
+
+
+def total_gpus(args) -> int:
+    if getattr(args, "plan_setup", None) is not None:
+        return args.plan_setup.gpus
+    return args.replicas if args.deployment == "colocated" else args.replicas + train_gpus(args)
+
+
+def sim_engine(args, seed: int) -> SimReplicas:
+    """The simulated replicas of a plan (`--config`): one per server, each its roofline."""
+    setup = args.plan_setup
+    return SimReplicas(
+        setup.servers,
+        slots=args.slots,
+        cost=setup.cost,
+        seed=seed,
+        length_scale=args.length_scale,
+        deployment=setup.deployment,
+        sleeps=setup.sleeps,
+    )
 
 
 def end_to_end(rollout_s: float, train_s: list[float], delivered_tokens: float) -> dict:
@@ -197,23 +335,26 @@ def end_to_end(rollout_s: float, train_s: list[float], delivered_tokens: float) 
 
 def run(mode: str, args) -> dict:
     cfg = rollout_config(mode, args)
-    engine = make_engine(
-        args.engine,
-        args.seed,
-        args.slots,
-        args.length_scale,
-        args.max_response_len,
-        args.prompt_len,
-        args.prefill_ms_per_token,
-        args.min_prefill_batch,
-        args.reuse_aborted_kv and mode != "sync",
-        args.decode_steps_per_call,
-        args.cost,
-        args.replicas,
-        args.step_overhead_ms,
-        args.deployment,
-        args.train_mfu,
-    )
+    if getattr(args, "plan_setup", None) is not None:
+        engine = sim_engine(args, args.seed)
+    else:
+        engine = make_engine(
+            args.engine,
+            args.seed,
+            args.slots,
+            args.length_scale,
+            args.max_response_len,
+            args.prompt_len,
+            args.prefill_ms_per_token,
+            args.min_prefill_batch,
+            args.reuse_aborted_kv and mode != "sync",
+            args.decode_steps_per_call,
+            args.cost,
+            args.replicas,
+            args.step_overhead_ms,
+            args.deployment,
+            args.train_mfu,
+        )
     april = April(cfg, prompts(args.seed, args.prompt_len))
     w = args.warmup_steps
     delivered_tokens = on_policy = weight = 0.0
@@ -224,7 +365,8 @@ def run(mode: str, args) -> dict:
         if step == w:
             start, s_start = engine.now(), engine.stats()
         groups, m = april.collect(engine, version=step)
-        assert len(groups) == 32 and all(len(g.samples) == 8 for g in groups)
+        assert len(groups) == cfg.rollout_batch_size
+        assert all(len(g.samples) == cfg.n_samples_per_prompt for g in groups)
         # the simulated engine has no model: its syncs (and, colocated, the sleep) cost what the cost model says
         engine.update_weights(engine.params if args.engine == "jax" else None, step + 1)
         steps.append(m)
@@ -279,7 +421,7 @@ def run(mode: str, args) -> dict:
             replicas=replicas,
             syncs=args.steps - w,
         )
-        if args.deployment == "colocated":  # every schedule sleeps through the same train steps
+        if engine.replicas[0].sleeps:  # every schedule sleeps through the same train steps
             free += (args.steps - w) * engine.cost.sleep_wake_s()
         out.update(
             free_limit_tokens_per_s=delivered_tokens / free,
@@ -290,6 +432,7 @@ def run(mode: str, args) -> dict:
             preempted=s_end.preempted - s_start.preempted,
             kv_reused=s_end.kv_reused - s_start.kv_reused,
             kv_lost_in_sleep=s_end.kv_lost_in_sleep - s_start.kv_lost_in_sleep,
+            sleeps=engine.replicas[0].sleeps,
         )
     return out
 
@@ -298,9 +441,21 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", choices=["sim", "jax", "vllm"], default="sim")
     parser.add_argument(
+        "--config",
+        default=None,
+        help="sim only: a training config (configs/*.py): simulate what its deployment plan launches on "
+        "--plan-devices (servers, tensor parallel, KV, max_num_seqs, sleep) with its rollout settings; "
+        "--config.KEY=VALUE overrides a key",
+    )
+    parser.add_argument(
+        "--plan-devices",
+        default=None,
+        help="with --config: the devices to plan for, COUNTxNAME-MEMGB (8xH200-141GB, 8xH100-80GB, 8xMI300X-192GB)",
+    )
+    parser.add_argument(
         "--cost",
-        default="h200-qwen3-4b",
-        help="sim only: a roofline preset (h200-qwen3-4b, h100-qwen3-4b, h200-qwen3-8b) or cpu-jax",
+        default=None,
+        help="sim only: a roofline preset (h200-qwen3-4b, the default; h100-qwen3-4b, h200-qwen3-8b) or cpu-jax",
     )
     parser.add_argument(
         "--replicas",
@@ -311,9 +466,9 @@ def main():
     parser.add_argument(
         "--deployment",
         choices=DEPLOYMENTS,
-        default="colocated",
-        help="sim only: rollout and training share the GPUs (the engine sleeps through the train "
-        "step and loses its KV), or the engine has GPUs of its own and keeps its KV",
+        default=None,
+        help="sim only: rollout and training share the GPUs (colocated, the default: the engine sleeps "
+        "through the train step and loses its KV), or the engine has GPUs of its own and keeps its KV",
     )
     parser.add_argument(
         "--train-gpus",
@@ -387,15 +542,24 @@ def main():
     from benchmarks import rollout_real as real
 
     real.add_arguments(parser)
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    config_overrides = [a for a in argv if a.startswith("--config.")]
+    args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
+    planned = args.config is not None or args.plan_devices is not None or bool(config_overrides)
+    if planned:
+        from_plan(parser, args, config_overrides)
     if real.wanted(args):
         print(json.dumps(real.compare(args)))
         return
     if args.steps is None:
         args.steps = 8
+    if args.cost is None:
+        args.cost = "h200-qwen3-4b"
+    if args.deployment is None:
+        args.deployment = "colocated"
     if args.replicas is None:
         args.replicas = 8 if args.engine == "sim" and args.cost != "cpu-jax" else 1
-    if args.engine == "sim" and args.cost != "cpu-jax" and args.cost not in cost_model.PRESETS:
+    if args.engine == "sim" and args.cost != "cpu-jax" and args.cost not in cost_model.PRESETS and not planned:
         parser.error(f"--cost {args.cost!r}: unknown; choose from cpu-jax, {', '.join(cost_model.PRESETS)}")
     if args.train_gpus is not None and (args.train_gpus <= 0 or args.deployment != "disaggregated"):
         parser.error(f"--train-gpus {args.train_gpus}: a positive count, with --deployment disaggregated only")
@@ -414,6 +578,67 @@ def main():
     if args.max_response_len is None:
         args.max_response_len = int(32768 * args.length_scale)
     print(json.dumps(compare(args)))
+
+
+# flags the plan decides: given with --config, they would contradict it
+PLAN_DECIDES = {
+    "cost": "the plan's device and model",
+    "replicas": "the plan's servers",
+    "slots": "rollout.max_num_seqs",
+    "deployment": "rollout.deployment",
+    "train_gpus": "the plan's trainer (rollout.gpus)",
+    "max_response_len": "rollout.max_response_len",
+}
+
+
+def from_plan(parser, args, config_overrides: list[str]) -> None:
+    """Fill args from --config's deployment plan on --plan-devices (sim only); a bad one is a parser error."""
+    from april_jax.config import ConfigError
+    from april_jax.training.devices import DeviceSpecError
+
+    if args.config is None:
+        parser.error("--plan-devices and --config.KEY=VALUE need --config FILE")
+    if args.engine != "sim" or args.model:
+        parser.error(
+            "--config: --engine sim only (the simulator runs the plan; a real run is python -m april_jax.train)"
+        )
+    if args.plan_devices is None:
+        parser.error("--config: give --plan-devices COUNTxNAME-MEMGB (e.g. 8xH200-141GB), the devices to plan for")
+    for name, what in PLAN_DECIDES.items():
+        if getattr(args, name) is not None:
+            parser.error(
+                f"--{name.replace('_', '-')}: with --config it comes from {what} (--config.KEY=VALUE sets keys)"
+            )
+    try:
+        setup = plan_setup(
+            ["--config", args.config, *config_overrides], args.plan_devices, args.step_overhead_ms, args.train_mfu
+        )
+    except (ConfigError, DeviceSpecError) as e:
+        parser.error(str(e))
+    args.plan_setup = setup
+    args.cost = setup.cost.name
+    args.replicas = setup.servers
+    args.slots = setup.summary["max_num_seqs"]
+    args.deployment = setup.deployment
+    args.max_response_len = setup.rollout.max_response_len
+
+
+def make_cost(args):
+    """The cost model of one simulated replica, as the run's engine has it."""
+    if getattr(args, "plan_setup", None) is not None:
+        return args.plan_setup.cost
+    return make_engine(
+        "sim",
+        0,
+        args.slots,
+        1.0,
+        1,
+        1,
+        args.prefill_ms_per_token,
+        cost=args.cost,
+        step_overhead_ms=args.step_overhead_ms,
+        train_mfu=args.train_mfu,
+    ).cost
 
 
 def compare(args) -> dict:
@@ -466,22 +691,14 @@ def compare(args) -> dict:
         for key in ("on_policy_token_frac", "mean_loss_weight", "delivered_len_mean"):
             out[f"{name}_{key}"] = round(r[key], 4)
     if args.engine == "sim":
-        out["cost"] = make_engine(
-            "sim",
-            0,
-            args.slots,
-            1.0,
-            1,
-            1,
-            args.prefill_ms_per_token,
-            cost=args.cost,
-            step_overhead_ms=args.step_overhead_ms,
-            train_mfu=args.train_mfu,
-        ).cost.describe()
+        out["cost"] = make_cost(args).describe()
+        if getattr(args, "plan_setup", None) is not None:
+            out["plan"] = args.plan_setup.summary
         out["replicas"] = args.replicas
         out["deployment"] = args.deployment
+        out["engine_sleeps"] = april["sleeps"]
         out["train_gpus"] = train_gpus(args)
-        out["gpus"] = args.replicas if args.deployment == "colocated" else args.replicas + train_gpus(args)
+        out["gpus"] = total_gpus(args)
         out["kv_bytes_budget"] = out["cost"].get("kv_budget_bytes")
         out["e2e_speedup"] = round(april["e2e_steps_per_s"] / sync["e2e_steps_per_s"], 3)
         out["e2e_token_speedup"] = round(april["e2e_tokens_per_s"] / sync["e2e_tokens_per_s"], 3)
@@ -489,6 +706,19 @@ def compare(args) -> dict:
         out["free_limit_tokens_per_s"] = round(april["free_limit_tokens_per_s"], 1)
         out["sync_free_limit_tokens_per_s"] = round(sync["free_limit_tokens_per_s"], 1)
         out["april_fraction_of_free_limit"] = round(april["tokens_per_s"] / april["free_limit_tokens_per_s"], 3)
+        out["cap_estimate_fraction_of_free_limit"] = out["april_fraction_of_cap_estimate"] = None
+        if args.cost != "cpu-jax":
+            cap = rollout_cap_estimate.cap_fraction(
+                make_cost(args),
+                replicas=args.replicas,
+                slots=args.slots,
+                max_response_len=cfg.max_response_len,
+                max_staleness=cfg.max_staleness,
+                prompt_len=args.prompt_len,
+                per_step=cfg.rollout_batch_size * cfg.n_samples_per_prompt,
+            )
+            out["cap_estimate_fraction_of_free_limit"] = cap
+            out["april_fraction_of_cap_estimate"] = round(out["april_fraction_of_free_limit"] / cap, 3)
         out["sync_fraction_of_free_limit"] = round(sync["tokens_per_s"] / sync["free_limit_tokens_per_s"], 3)
         out["april_inflight_limit_last"] = april["steps"][-1].get("rollout/inflight_limit")
         for name, r in (("april", april), ("sync", sync)):
@@ -557,7 +787,9 @@ def plot(sync_tl, april_tl, args):
         ax.step(t, busy, where="pre", label=label, lw=0.8)
     ax.set_xlabel("engine time (s)" + (" (simulated)" if args.engine == "sim" else ""))
     ax.set_ylabel("busy slots")
-    ax.set_title(f"{args.engine} engine, {args.slots} slots, {args.steps} steps of 32x8")
+    cfg = rollout_config("april", args)
+    per_step = f"{cfg.rollout_batch_size}x{cfg.n_samples_per_prompt}"
+    ax.set_title(f"{args.engine} engine, {args.slots} slots, {args.steps} steps of {per_step}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)

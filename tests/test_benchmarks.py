@@ -70,6 +70,40 @@ def test_rollout_benchmark_on_the_roofline_sim_runs_the_product_defaults_and_rep
     assert apart["april_prefill_time_frac"] < out["april_prefill_time_frac"]
 
 
+def test_rollout_benchmark_simulates_the_deployment_plan_of_a_config():
+    """--config/--plan-devices: one replica per planned server at its tensor parallel, KV tokens and
+    max_num_seqs (read back from the JSON against the plan itself); the plan's sleep level 0 keeps the
+    servers' KV through the update (resumes reuse it), while its time-shared layout (sleep level 1,
+    here by train.offload=on) sleeps and re-prefills."""
+    from april_jax.config.loading import load_config
+    from april_jax.training.devices import parse_spec
+    from april_jax.training.plan import make_plan
+
+    config = ["--config", "configs/qwen3_4b.py", "--config.rollout.tensor_parallel=2"]
+    plan = make_plan(load_config(["prog", *config]), parse_spec("8xH200-141GB"))
+    server = plan.servers[0]
+    out = rollout_json(*config, "--plan-devices", "8xH200-141GB", "--steps", "2")
+    summary = out["plan"]
+    assert (summary["servers"], summary["tensor_parallel"]) == (len(plan.servers), 2) == (4, 2)
+    assert summary["kv_tokens_per_server"] == server.kv_tokens == out["cost"]["kv_budget_tokens"]
+    assert summary["max_num_seqs"] == server.max_num_seqs == out["slots"] == 512
+    assert (summary["sleep_level"], summary["deployment"], summary["devices"]) == (
+        0,
+        "colocated",
+        plan.devices.describe(),
+    )
+    assert out["replicas"] == 4 and out["cost"]["tensor_parallel"] == 2 and out["gpus"] == out["train_gpus"] == 8
+    assert out["max_response_len"] == 16384 and out["over_sampling"] == 64 and out["max_staleness"] == 4
+    assert out["engine_sleeps"] is False and out["april_kv_reused"] > 0
+    asleep = rollout_json(
+        "--config", "configs/qwen3_4b.py", "--config.train.offload=on", "--plan-devices", "8xH200-141GB", "--steps", "2"
+    )
+    assert asleep["plan"]["sleep_level"] == 1 and asleep["engine_sleeps"] is True and asleep["april_kv_reused"] == 0
+    kept = rollout_json("--config", "configs/qwen3_4b.py", "--plan-devices", "8xH200-141GB", "--steps", "2")
+    assert kept["plan"]["sleep_level"] == 0 and kept["april_kv_reused"] > 0
+    assert kept["april_prefill_tokens_per_response_token"] < asleep["april_prefill_tokens_per_response_token"]
+
+
 def test_end_to_end_accounting_by_hand():
     """A rollout of 100 s over two steps that train 10 s each: 120 s end to end, 1/60 step/s and, for
     1200 delivered tokens, 10 tokens/s."""
@@ -87,6 +121,9 @@ def test_rollout_benchmark_cpu_model_and_a_bad_preset():
         (["--cost", "a100"], "--cost 'a100'"),
         (["--train-gpus", "4"], "--train-gpus 4"),
         (["--deployment", "shared"], "--deployment"),
+        (["--config", "configs/qwen3_4b.py"], "--plan-devices"),
+        (["--config", "configs/qwen3_4b.py", "--plan-devices", "8xH200-141GB", "--slots", "64"], "--slots"),
+        (["--config", "configs/qwen3_4b.py", "--plan-devices", "8xA100-80GB"], "A100"),
     ):
         proc = subprocess.run(
             benchmark("rollout", "--engine", "sim", *bad), cwd=ROOT, capture_output=True, text=True, timeout=300

@@ -172,3 +172,44 @@ def test_staleness_bound_tightens_as_windows_shrink():
         cost, **kw, windows=windows_of([(p, n, i % 4, i % 4) for i, (p, n, _, _) in enumerate(rows)], 4)
     )
     assert staggered > bounds[0] * 1.01  # each response confined to one of four steps: less room
+
+
+def test_a_device_roofline_at_tensor_parallel_1_is_the_preset():
+    preset, device = cm.make("h200-qwen3-4b"), cm.for_device("H200", "qwen3-4b")
+    for busy, ctx, steps in ((16, 16 * 4096, 1), (300, 300 * 9000, 57)):
+        assert device.decode_span_s(busy, ctx, steps) == preset.decode_span_s(busy, ctx, steps)
+    assert device.prefill_s(1000, 64) == preset.prefill_s(1000, 64)
+    assert device.kv_budget_tokens == preset.kv_budget_tokens == 792_474
+    assert (device.weight_sync_s(), device.sleep_wake_s()) == (preset.weight_sync_s(), preset.sleep_wake_s())
+
+
+def test_tensor_parallel_2_by_hand():
+    """Two H200s per replica: twice the bandwidth and FLOPs, two all-reduces a layer (72), each
+    10 us + a ring's 2 x (2 - 1) / 2 x 2560 x 2 bytes a token over 450 GB/s; the weights, the KV
+    and a sleep or sync split over the two GPUs."""
+    tp2 = cm.for_device("H200", "qwen3-4b", tensor_parallel=2)
+    busy, ctx = 16, 16 * 4096
+    mem_s = (2 * QWEN3_4B_PARAMS + ctx * 147_456) / (2 * 4.8e12 * 0.85)
+    comm_s = 72 * 10e-6 + 72 * busy * 2560 * 2 / 450e9
+    assert tp2.decode_step_s(busy, ctx) == pytest.approx(1e-3 + comm_s + mem_s)
+    attn = 4 * 36 * 32 * 128
+    assert tp2.prefill_s(1000) == pytest.approx(
+        (2 * QWEN3_4B_PARAMS * 1000 + attn * 1000 * 1001 / 2) / (2 * 494.5e12) + 72 * 1000 * 2560 * 2 / 450e9
+    )
+    assert tp2.kv_budget_bytes == pytest.approx(2 * (0.9 * 141e9 - 2e9) - 2 * QWEN3_4B_PARAMS)
+    assert tp2.weight_sync_s() == pytest.approx(QWEN3_4B_PARAMS / 450e9)
+    assert tp2.sleep_wake_s() == pytest.approx(2 * QWEN3_4B_PARAMS / 64e9)
+    assert tp2.train_step_s(10**6, 8) == cm.make("h200-qwen3-4b").train_step_s(10**6, 8)  # per GPU, unchanged
+    # the free bound pays the same per-token all-reduce bytes and per-step latency
+    few = cm.time_lower_bound_s(tp2, tokens=1000, ctx_sum=1000 * 100, prompt_lens=[], slots=256, replicas=1)
+    flops = (2 * QWEN3_4B_PARAMS * 1000 + attn * 1000 * 100) / (2 * 494.5e12)
+    assert few == pytest.approx(1000 / 256 * (1e-3 + 72 * 10e-6) + 1000 * 72 * 2560 * 2 / 450e9 + flops)
+
+
+def test_a_plan_sets_the_kv_budget_and_mi300x_has_its_datasheet_figures():
+    planned = cm.for_device("H200", "qwen3-4b", kv_tokens=719_573)
+    assert planned.kv_budget_tokens == 719_573 and planned.kv_budget_bytes == 719_573 * 147_456
+    mi = cm.for_device("MI300X", "qwen3-8b")
+    assert (mi.hbm_bytes, mi.hbm_bw, mi.peak_flops) == (192e9, 5.3e12, 1307e12)
+    with pytest.raises(ValueError, match="'A100'"):
+        cm.for_device("A100", "qwen3-4b")

@@ -140,13 +140,14 @@ def test_a_restarted_response_is_regenerated_to_its_drawn_length_not_a_fresh_dra
     assert len({draw_length(7, f"g0/{i}", 1 / 8) for i in range(8)}) > 1
 
 
-@pytest.mark.parametrize("deployment", ["colocated", "disaggregated"])
-def test_the_train_step_costs_colocated_its_kv_and_a_sleep_and_disaggregated_nothing(deployment):
+@pytest.mark.parametrize("deployment, sleeps", [("colocated", True), ("colocated", False), ("disaggregated", True)])
+def test_the_train_step_costs_colocated_its_kv_and_a_sleep_and_disaggregated_nothing(deployment, sleeps):
     """An aborted response's KV is parked; across update_weights a colocated engine (asleep through
     the train step) loses it and pays sleep + wake + sync (0.2514 + 0.0179 s for Qwen3-4B), so the
-    resume re-prefills its 16 + n tokens; a disaggregated one pays the sync only and resumes from the KV."""
+    resume re-prefills its 16 + n tokens; a disaggregated one, or a colocated one that stays resident
+    beside the trainer (sleeps=False, the plan's sleep level 0), pays the sync only and resumes from the KV."""
     cost = cm.make("h200-qwen3-4b")
-    engine = SimEngine(slots=8, seed=1, cost=cost, deployment=deployment)
+    engine = SimEngine(slots=8, seed=1, cost=cost, deployment=deployment, sleeps=sleeps)
     engine.submit(requests("g0", 2, max_new=40_000))
     while not engine.step():  # until the shorter member finishes
         pass
@@ -155,16 +156,17 @@ def test_the_train_step_costs_colocated_its_kv_and_a_sleep_and_disaggregated_not
     assert n > 0 and engine.stats().parked_tokens == 16 + n
     t = engine.now()
     engine.update_weights(None, 1)
-    colocated = deployment == "colocated"
-    assert engine.now() - t == pytest.approx(cost.weight_sync_s() + (2 * cost.weight_bytes / 64e9 if colocated else 0))
-    assert engine.stats().parked_tokens == (0 if colocated else 16 + n)
-    assert engine.stats().kv_lost_in_sleep == (1 if colocated else 0)
+    asleep = deployment == "colocated" and sleeps  # what loses the KV: the sleep
+    assert engine.sleeps == asleep
+    assert engine.now() - t == pytest.approx(cost.weight_sync_s() + (2 * cost.weight_bytes / 64e9 if asleep else 0))
+    assert engine.stats().parked_tokens == (0 if asleep else 16 + n)
+    assert engine.stats().kv_lost_in_sleep == (1 if asleep else 0)
     before = engine.stats().prefill_tokens
     key = partial.request_id.rsplit("/", 1)[0]
     engine.submit([Request(f"{key}/2", tuple(range(1, 17)) + tuple(partial.token_ids), 40_000 - n, sample_key=key)])
     engine.step()
-    assert engine.stats().prefill_tokens - before == (16 + n if colocated else 0)
-    assert engine.stats().kv_reused == (0 if colocated else 1)
+    assert engine.stats().prefill_tokens - before == (16 + n if asleep else 0)
+    assert engine.stats().kv_reused == (0 if asleep else 1)
 
 
 def test_an_unknown_deployment_names_the_flag():

@@ -11,9 +11,23 @@ Roofline (`Roofline`, one engine replica on one GPU, bf16 weights and KV):
     train step    6 x params x trained tokens / (GPUs x peak x train_mfu) (forward + backward)
     sleep / wake  colocated only: weight bytes to host and back over PCIe, once per train step
 
+Tensor parallel t (one replica = one server over t GPUs, `tensor_parallel`): each GPU holds 1/t of
+the weights and of every sequence's KV (vLLM splits the KV heads), so bandwidth and FLOPs are t
+times one GPU's; a forward pass adds two all-reduces a layer (after attention and after the MLP,
+Megatron-style as vLLM runs them), not overlapped with compute: each costs allreduce_latency_s
+plus a ring's 2 (t - 1) / t x tokens x hidden x 2 bytes over link_bw. A decode step pays both
+parts; a prefill the bytes part only (its latency is the same batched forward's, which the decode
+step's fixed cost already pays). The logits gather of a vocabulary-parallel lm_head is left out
+(tokens x vocabulary / t values a step, small beside the all-reduces). A weight sync and a sleep
+move 1/t of the weights per GPU, in parallel; training is charged per GPU, unchanged. KV budget:
+t x (hbm x mem_util - activation reserve) - weight bytes, or `kv_tokens` when given (what a
+deployment plan leaves for KV, `april_jax/training/plan.py`).
+
 Public figures (NVIDIA datasheets): H100 SXM 80 GB HBM3 at 3.35 TB/s; H200 SXM 141 GB HBM3e at
 4.8 TB/s; both 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity) and NVLink 4 at 900 GB/s
-(both directions together, so 450 GB/s one way). GB here is 1e9 bytes, as the datasheets write.
+(both directions together, so 450 GB/s one way). AMD Instinct MI300X datasheet: 192 GB HBM3 at
+5.3 TB/s, 1307 TFLOP/s dense bf16, Infinity Fabric 896 GB/s aggregate peer bandwidth both ways
+(448 one way), PCIe 5.0 x16 host link. GB here is 1e9 bytes, as the datasheets write.
 Model shapes come from `april_jax.models.qwen3.PRESETS` (the official config.json values):
 Qwen3-4B 36 layers, 32 query / 8 KV heads, head_dim 128, tied embeddings, 4.02B parameters;
 Qwen3-8B 36 layers, 32 / 8 heads, head_dim 128, untied, 8.19B. KV per token = 2 (K and V) x
@@ -25,6 +39,8 @@ Assumptions (not public specs; stated so they can be argued with; the sweep vari
     flops_eff 0.5        prefill / compute-bound decode at 50% of dense bf16 peak
     mem_util 0.9         vLLM's default gpu_memory_utilization
     activation reserve 2 GB, abort 20 us per request
+    allreduce_latency_s 10 us   one small-message all-reduce within a node (tensor parallel > 1 only;
+                         NCCL's and vLLM's custom kernels take a few to ~20 us on NVLink: a middle value)
 Weight sync at NVLink speed is a lower bound on a real sync (gathers, bucketing); both runs pay it.
     pcie_bw 64 GB/s      PCIe 5.0 x16, one way (32 GT/s x 16 lanes, 128b/130b: 63 GB/s), the H100 / H200
                          SXM host link; vLLM's sleep level 1 moves the weights to host memory and back
@@ -96,10 +112,10 @@ def span_of_max_lines(n: int, a1: float, b1: float, a2: float, b2: float) -> flo
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     name: str
-    hbm_bytes: float
-    hbm_bw: float  # bytes/s
-    peak_flops: float  # dense bf16
-    model: str  # key of MODELS (= qwen3.PRESETS)
+    hbm_bytes: float  # one GPU's
+    hbm_bw: float  # bytes/s, one GPU's
+    peak_flops: float  # dense bf16, one GPU's
+    model: str | ModelShape  # a key of MODELS (= qwen3.PRESETS), or the shape itself
     step_overhead_s: float = 1e-3
     bw_eff: float = 0.85
     flops_eff: float = 0.5
@@ -110,10 +126,42 @@ class Roofline:
     dtype_bytes: int = 2
     pcie_bw: float = 64 * GB
     train_mfu: float = 0.35
+    tensor_parallel: int = 1  # GPUs per replica
+    kv_tokens: int | None = None  # the replica's KV budget in tokens, when a deployment plan sets it
+    allreduce_latency_s: float = 10e-6
+    link_bw: float = 450 * GB  # one way, per GPU: the tensor-parallel all-reduce's
 
     @property
     def cfg(self) -> ModelShape:
-        return MODELS[self.model]
+        return MODELS[self.model] if isinstance(self.model, str) else self.model
+
+    @property
+    def eff_bw(self) -> float:
+        """The replica's achieved HBM bandwidth (all its GPUs)."""
+        return self.hbm_bw * self.bw_eff * self.tensor_parallel
+
+    @property
+    def eff_flops(self) -> float:
+        """The replica's achieved bf16 FLOP/s (all its GPUs)."""
+        return self.peak_flops * self.flops_eff * self.tensor_parallel
+
+    @property
+    def comm_step_s(self) -> float:
+        """Tensor parallel: the all-reduces' latency in one forward pass (0 on one GPU)."""
+        t = self.tensor_parallel
+        return 0.0 if t == 1 else 2 * self.cfg.num_hidden_layers * self.allreduce_latency_s
+
+    @property
+    def comm_token_s(self) -> float:
+        """Tensor parallel: the all-reduces' bytes time per token of a forward pass (0 on one GPU)."""
+        t, c = self.tensor_parallel, self.cfg
+        ring = 2 * (t - 1) / t * c.hidden_size * self.dtype_bytes / self.link_bw
+        return 2 * c.num_hidden_layers * ring
+
+    @property
+    def step_fixed_s(self) -> float:
+        """What every decode step pays whatever its batch: overhead, all-reduce latency, the weights read."""
+        return self.step_overhead_s + self.comm_step_s + matmul_params(self.cfg)[1] * self.dtype_bytes / self.eff_bw
 
     @property
     def params(self) -> int:
@@ -130,10 +178,15 @@ class Roofline:
 
     @property
     def kv_budget_bytes(self) -> float:
-        return self.hbm_bytes * self.mem_util - self.weight_bytes - self.activation_reserve_bytes
+        if self.kv_tokens is not None:
+            return float(self.kv_tokens * self.kv_bytes_per_token)
+        t = self.tensor_parallel
+        return self.hbm_bytes * self.mem_util * t - self.weight_bytes - self.activation_reserve_bytes * t
 
     @property
     def kv_budget_tokens(self) -> int:
+        if self.kv_tokens is not None:
+            return int(self.kv_tokens)
         return int(self.kv_budget_bytes // self.kv_bytes_per_token)
 
     @property
@@ -143,7 +196,7 @@ class Roofline:
 
     def _lines(self, busy: int, ctx0: int):
         """Per-step memory and compute time as lines in the step index j (contexts grow by busy per step)."""
-        bw, fl = self.hbm_bw * self.bw_eff, self.peak_flops * self.flops_eff
+        bw, fl = self.eff_bw, self.eff_flops
         mm = matmul_params(self.cfg)[1]
         kvb, att = self.kv_bytes_per_token, self._attn_flops_per_ctx
         mem = ((mm * self.dtype_bytes + ctx0 * kvb) / bw, busy * kvb / bw)
@@ -155,7 +208,8 @@ class Roofline:
         if steps <= 0 or busy <= 0:
             return 0.0
         (a1, b1), (a2, b2) = self._lines(busy, ctx_sum)
-        return steps * self.step_overhead_s + span_of_max_lines(steps, a1, b1, a2, b2)
+        fixed = self.step_overhead_s + self.comm_step_s + self.comm_token_s * busy
+        return steps * fixed + span_of_max_lines(steps, a1, b1, a2, b2)
 
     def decode_step_s(self, busy: int, ctx_sum: int) -> float:
         return self.decode_span_s(busy, ctx_sum, 1)
@@ -166,17 +220,19 @@ class Roofline:
             return 0.0
         mm = matmul_params(self.cfg)[1]
         positions = new_tokens * cached + new_tokens * (new_tokens + 1) / 2  # keys each new token attends to
-        return (2 * mm * new_tokens + self._attn_flops_per_ctx * positions) / (self.peak_flops * self.flops_eff)
+        compute = (2 * mm * new_tokens + self._attn_flops_per_ctx * positions) / self.eff_flops
+        return compute + self.comm_token_s * new_tokens
 
     def weight_sync_s(self) -> float:
-        return self.weight_bytes / self.sync_bw
+        return self.weight_bytes / self.tensor_parallel / self.sync_bw
 
     def abort_s(self, n_requests: int) -> float:
         return self.step_overhead_s + self.abort_per_request_s * n_requests if n_requests else 0.0
 
     def sleep_wake_s(self) -> float:
-        """A colocated engine around one train step: weights to host memory, then back."""
-        return 2 * self.weight_bytes / self.pcie_bw
+        """A colocated engine around one train step: weights to host memory, then back (each GPU its
+        shard over its own host link)."""
+        return 2 * self.weight_bytes / self.tensor_parallel / self.pcie_bw
 
     def train_step_s(self, tokens: int, gpus: int) -> float:
         """One optimiser step over `tokens` (prompt + response) tokens on `gpus` GPUs."""
@@ -187,7 +243,7 @@ class Roofline:
             "name": self.name,
             "pcie_bw": self.pcie_bw,
             "train_mfu": self.train_mfu,
-            "model": self.model,
+            "model": self.model if isinstance(self.model, str) else dataclasses.asdict(self.model),
             "params": self.params,
             "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -202,6 +258,10 @@ class Roofline:
             "mem_util": self.mem_util,
             "activation_reserve_bytes": self.activation_reserve_bytes,
             "sync_bw": self.sync_bw,
+            "tensor_parallel": self.tensor_parallel,
+            "kv_tokens": self.kv_tokens,
+            "allreduce_latency_s": self.allreduce_latency_s,
+            "link_bw": self.link_bw,
         }
 
 
@@ -250,6 +310,9 @@ class LinearCPU:
 
 H100_SXM = dict(hbm_bytes=80 * GB, hbm_bw=3.35e12, peak_flops=989e12)
 H200_SXM = dict(hbm_bytes=141 * GB, hbm_bw=4.8e12, peak_flops=989e12)
+MI300X = dict(hbm_bytes=192 * GB, hbm_bw=5.3e12, peak_flops=1307e12, link_bw=448 * GB, sync_bw=448 * GB)
+# a deployment plan's device name (`april_jax.training.devices`) -> its datasheet figures
+DEVICES = {"H100": H100_SXM, "H200": H200_SXM, "MI300X": MI300X}
 PRESETS = {
     "h200-qwen3-4b": dict(H200_SXM, model="qwen3-4b"),
     "h100-qwen3-4b": dict(H100_SXM, model="qwen3-4b"),
@@ -264,6 +327,14 @@ def make(preset: str, slots: int = 256, **overrides):
     if preset not in PRESETS:
         raise ValueError(f"--cost {preset!r}: unknown; choose from {', '.join(['cpu-jax', *PRESETS])}")
     return Roofline(name=preset, **PRESETS[preset], **overrides)
+
+
+def for_device(device: str, model: str | ModelShape, *, name: str | None = None, **overrides) -> Roofline:
+    """A roofline of one replica on `device` (a key of DEVICES); `overrides` set any other field
+    (tensor_parallel, kv_tokens, hbm_bytes, step_overhead_s, ...)."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: no roofline figures; known: {', '.join(DEVICES)}")
+    return Roofline(name=name or device.lower(), model=model, **{**DEVICES[device], **overrides})
 
 
 def delivered_ctx_sum(prompt_len: int, response_len: int) -> int:
@@ -301,14 +372,16 @@ def time_lower_bound_s(
         return (decode + sum(cost.prefill_s(p) for p in prompt_lens)) / replicas + syncs * cost.weight_sync_s()
     floor_steps = max(tokens / slots, ctx_sum / cost.kv_budget_tokens)
     mm = matmul_params(cost.cfg)[1]
-    bw, fl = cost.hbm_bw * cost.bw_eff, cost.peak_flops * cost.flops_eff
+    bw, fl = cost.eff_bw, cost.eff_flops
     prefill = sum(cost.prefill_s(p) for p in prompt_lens)
     sync = syncs * cost.weight_sync_s()
+    comm = tokens * cost.comm_token_s  # tensor parallel: the all-reduce bytes of every decoded token
 
     def total(steps: float) -> float:
         mem = (steps * mm * cost.dtype_bytes + ctx_sum * cost.kv_bytes_per_token) / bw
         comp = (2 * mm * tokens + cost._attn_flops_per_ctx * ctx_sum) / fl
-        return (steps * cost.step_overhead_s + max(mem, comp) + prefill) / replicas + sync
+        fixed = steps * (cost.step_overhead_s + cost.comm_step_s) + comm
+        return (fixed + max(mem, comp) + prefill) / replicas + sync
 
     free = total(floor_steps)
     if windows is None or not len(windows.tokens):
@@ -338,8 +411,9 @@ def staleness_bound_steps(cost, w: StalenessWindows, S: float, mu=None):
     """A lower bound on the replica-steps of any schedule of total time S that respects the windows.
 
     Why: give every replica-step t its running contexts K_t <= budget and duration
-    tau_t >= c0 + c1 K_t (c0 = step overhead + weight bytes / bandwidth, c1 = KV bytes per token /
-    bandwidth). A response i reads contexts a_it at its L_i steps, which run one after another
+    tau_t >= c0 + c1 K_t (c0 = step overhead + all-reduce latency + weight bytes / bandwidth, c1 =
+    KV bytes per token / bandwidth; the per-token all-reduce bytes are left out, which only lowers
+    the bound). A response i reads contexts a_it at its L_i steps, which run one after another
     within its window, of length W_i: sum_t tau_t <= W_i, so sum_t K_t <= (W_i - L_i c0) / c1.
     Splitting each step among the responses it serves, N = sum_t 1 >= sum_i sum_t a_it / K_t, and by
     Cauchy-Schwarz sum_t a_it / K_t >= (sum_t sqrt a_it)^2 / sum_t K_t, so
@@ -351,9 +425,7 @@ def staleness_bound_steps(cost, w: StalenessWindows, S: float, mu=None):
     """
     import numpy as np
 
-    bw = cost.hbm_bw * cost.bw_eff
-    c0 = cost.step_overhead_s + matmul_params(cost.cfg)[1] * cost.dtype_bytes / bw
-    c1 = cost.kv_bytes_per_token / bw
+    c0, c1 = cost.step_fixed_s, cost.kv_bytes_per_token / cost.eff_bw
     a = w.tokens * c0
     A = c1 * w.sqrt_ctx**2
     e = w.ctx / cost.kv_budget_tokens
@@ -386,9 +458,7 @@ def best_multipliers(cost, w: StalenessWindows, S: float, iters: int = 300):
     most time, which is where the optimum has equal sums of multipliers per step; the best dual seen is kept."""
     import numpy as np
 
-    bw = cost.hbm_bw * cost.bw_eff
-    c0 = cost.step_overhead_s + matmul_params(cost.cfg)[1] * cost.dtype_bytes / bw
-    c1 = cost.kv_bytes_per_token / bw
+    c0, c1 = cost.step_fixed_s, cost.kv_bytes_per_token / cost.eff_bw
     a, A, e = w.tokens * c0, c1 * w.sqrt_ctx**2, w.ctx / cost.kv_budget_tokens
     T = np.full(w.steps, S / w.steps)
     best, best_mu = -np.inf, None

@@ -24,6 +24,10 @@ Deployment, i.e. what happens to the engine during the train step (`update_weigh
   step (vLLM sleep mode level 1: weights to host memory and back, KV discarded), so parked KV and the
   group prompt prefixes are gone and a resumed request re-prefills; sleep and wake cost
   `cost.sleep_wake_s()`;
+- "colocated" with `sleeps=False`: rollout and training share the GPUs, but the server's memory
+  stays resident beside the trainer's (the deployment plan's 'static' layout, sleep level 0): no
+  sleep or wake is paid and the KV survives the train step as disaggregated; the train step still
+  runs on these GPUs, between rollouts (the caller charges it);
 - "disaggregated": the engine has GPUs of its own and keeps its KV across the train step; the
   GPUs it costs are counted by the caller (benchmarks/rollout.py).
 
@@ -135,10 +139,12 @@ class SimEngine(PollingEngine):
         reuse_aborted_kv: bool = True,
         cost=None,
         deployment: str = "colocated",
+        sleeps: bool = True,
     ):
         if deployment not in DEPLOYMENTS:
             raise ValueError(f"--deployment {deployment!r}: unknown; choose from {', '.join(DEPLOYMENTS)}")
         self.deployment = deployment
+        self.sleeps = sleeps and deployment == "colocated"  # on GPUs of its own it never sleeps
         self.max_num_seqs = slots
         self.cost = (
             cost
@@ -205,11 +211,11 @@ class SimEngine(PollingEngine):
 
     def update_weights(self, params, version: int) -> None:
         """The train step and the sync after it. `params` is not used (the simulation has no model):
-        a sync costs what the cost model says, and later tokens carry `version`. Colocated, the
-        engine slept through the train step: its KV is gone (running requests, none under APRIL,
-        which aborts first, are preempted by recompute)."""
+        a sync costs what the cost model says, and later tokens carry `version`. Colocated and
+        sleeping, the engine slept through the train step: its KV is gone (running requests, none
+        under APRIL, which aborts first, are preempted by recompute)."""
         self._plan = None
-        if self.deployment == "colocated":
+        if self.sleeps:
             self._stats["kv_lost_in_sleep"] += len(self.parked)
             self.parked.clear()
             while self.running:

@@ -3,6 +3,10 @@ staleness cap, on a roofline preset: a fixed-point estimate, not a simulation. P
 
     python -m benchmarks.probes.rollout_cap_estimate [--cost h200-qwen3-4b] [--replicas 8] [--steps-of-time 4 4.5 5]
 
+`benchmarks/rollout.py --engine sim` reports `cap_estimate_fraction_of_free_limit` (this estimate at
+max_staleness + 1 steps of time, the most a response started at its step's start has, with the
+run's replicas, slots, KV budget and response budget) and APRIL's fraction of it.
+
 Why: a response advances one token per decode step, so a max_response_len response must be
 decoded within the time of the steps its cap allows (4 to 5 steps at max_staleness 4, depending
 on when in its first step it starts), and the batch of every replica holding one is capped by the
@@ -32,9 +36,8 @@ def lane_stats(L, P, X, per_step):
 
 
 def best_step_time(cost, L, P, X, k, lmax, replicas, slots, per_step, grid=80):
-    bw = cost.hbm_bw * cost.bw_eff
-    c0 = cost.step_overhead_s + cost_model.matmul_params(cost.cfg)[1] * cost.dtype_bytes / bw
-    c1 = cost.kv_bytes_per_token / bw
+    # tensor parallel: c0 has the all-reduce latency; their per-token bytes are left out
+    c0, c1 = cost.step_fixed_s, cost.kv_bytes_per_token / cost.eff_bw
     budget = cost.kv_budget_tokens
     ty, to, cy, co = lane_stats(L, P, X, per_step)
     full = c0 + c1 * budget
@@ -50,31 +53,30 @@ def best_step_time(cost, L, P, X, k, lmax, replicas, slots, per_step, grid=80):
     return best
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cost", default="h200-qwen3-4b")
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--steps-of-time", type=float, nargs="+", default=[4.0, 4.5, 5.0])
-    parser.add_argument("--max-response-len", type=int, default=32768)
-    args = parser.parse_args()
-    cost = cost_model.make(args.cost)
+def seed_lengths(max_response_len: int, n: int = 200_000) -> np.ndarray:
+    """The seed's length distribution (sim_engine.SEED_DISTRIBUTION), sampled, cut at the budget."""
     rng = np.random.default_rng(0)
-    u = rng.random(200_000)
+    u = rng.random(n)
     L = np.where(
         u < 0.5,
         rng.uniform(1, 1024, u.size),
         np.where(u < 0.8, rng.uniform(1024, 8192, u.size), rng.uniform(8192, 32768, u.size)),
     )
-    L = np.minimum(L, args.max_response_len)
-    P, per_step, slots = 64, 256, 256
-    ctx = (L * P + L * (L - 1) / 2).mean() * per_step
+    return np.minimum(L, max_response_len)
+
+
+def estimate(cost, *, replicas, slots, max_response_len, steps_of_time, prompt_len=64, per_step=256, lanes=None):
+    """(free step time, rows): per steps_of_time and young-lane split, the least step time of a
+    uniform / two-lane schedule under the cap and its fraction of the free bound."""
+    L = seed_lengths(max_response_len)
+    ctx = (L * prompt_len + L * (L - 1) / 2).mean() * per_step
     free = cost_model.time_lower_bound_s(
-        cost, tokens=int(L.mean() * per_step), ctx_sum=int(ctx), prompt_lens=[], slots=slots, replicas=args.replicas
+        cost, tokens=int(L.mean() * per_step), ctx_sum=int(ctx), prompt_lens=[], slots=slots, replicas=replicas
     )
     rows = []
-    for k in args.steps_of_time:
-        for X in (args.max_response_len, 8192, 2048):
-            T, how = best_step_time(cost, L, P, X, k, args.max_response_len, args.replicas, slots, per_step)
+    for k in steps_of_time:
+        for X in lanes or (max_response_len, 8192, 2048):
+            T, how = best_step_time(cost, L, prompt_len, X, k, max_response_len, replicas, slots, per_step)
             rows.append(
                 {
                     "steps_of_time": k,
@@ -84,6 +86,38 @@ def main():
                     **(how or {}),
                 }
             )
+    return free, rows
+
+
+def cap_fraction(cost, *, replicas, slots, max_response_len, max_staleness, prompt_len=64, per_step=256) -> float:
+    """The best fraction of the free bound this estimate finds at max_staleness + 1 steps of time."""
+    _, rows = estimate(
+        cost,
+        replicas=replicas,
+        slots=slots,
+        max_response_len=max_response_len,
+        steps_of_time=[max_staleness + 1],
+        prompt_len=prompt_len,
+        per_step=per_step,
+    )
+    return max(r["fraction_of_free_limit"] for r in rows)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cost", default="h200-qwen3-4b")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--steps-of-time", type=float, nargs="+", default=[4.0, 4.5, 5.0])
+    parser.add_argument("--max-response-len", type=int, default=32768)
+    args = parser.parse_args()
+    cost = cost_model.make(args.cost)
+    free, rows = estimate(
+        cost,
+        replicas=args.replicas,
+        slots=256,
+        max_response_len=args.max_response_len,
+        steps_of_time=args.steps_of_time,
+    )
     print(json.dumps({"cost": args.cost, "replicas": args.replicas, "free_step_time_s": round(free, 1), "rows": rows}))
 
 
