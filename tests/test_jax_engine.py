@@ -1,12 +1,16 @@
-"""Embedded JAX engine against transformers generate and against teacher-forced logprobs."""
+"""Embedded JAX engine against transformers generate and against teacher-forced logprobs; on a mesh
+(its KV cache spread over the devices); the deployment plan's slots for it."""
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from april_jax.models import hf
+from april_jax.models import hf, sharding
 from april_jax.rollout.jax_engine import JaxEngine
 from april_jax.rollout.types import Request, SamplingParams
 from engine_utils import GREEDY, transformers_greedy
@@ -332,3 +336,102 @@ def test_timeline_keeps_only_its_latest_points(tiny_reference, prompts):
     times = [t for t, _ in engine.timeline]
     assert times == sorted(times) and times[-1] <= engine.now()
     assert [busy for _, busy in engine.timeline] == [1] * 8
+
+
+def test_kv_budget_is_every_slot_at_full_length(tiny_reference):
+    _, model = tiny_reference
+    assert engine_for(model, max_num_seqs=7, max_model_len=40).kv_budget_tokens == 7 * 40
+
+
+@pytest.mark.slow  # compiles the engine's programs for an 8-device mesh: ~45 s on 2 busy cores
+def test_a_mesh_engine_spreads_its_slots_over_the_devices_and_generates_the_one_device_tokens(
+    tiny_hf_checkpoint, prompts, greedy_outputs
+):
+    """8 devices (conftest.py): the cache's slots split over data x fsdp (4 ways) and its 2 KV
+    heads over tensor, on the same layout through prefill, shared prompts, decode, an abort, the
+    resumed members' extend and sleep; greedy tokens equal the one-device engine's."""
+    path, _ = tiny_hf_checkpoint
+    out, _ = greedy_outputs
+    model = hf.from_pretrained(path, mesh=sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
+    engine = engine_for(
+        model, max_num_seqs=8, samples_per_prompt=2, decode_steps_per_call=2, smallest_prefill_bucket=64
+    )  # one prompt bucket below MAX_LEN: fewer programs to compile on the mesh
+    layout = lambda: [x.sharding for x in jax.tree.leaves(engine._cache)]
+    placed = layout()
+    keys = engine._cache.k[0]
+    assert keys.sharding.spec == P(("data", "fsdp"), "tensor")
+    assert {x.data.shape for x in keys.addressable_shards} == {(2, 1, *keys.shape[2:])}  # a quarter of the slots
+    assert engine._cache.lengths_B.sharding.spec == P(("data", "fsdp"))
+
+    # two members per prompt (one shared prefill), aborted part way
+    members = [(f"{i}/{j}", i) for i in range(6) for j in range(2)]
+    engine.submit([Request(rid, prompts[i], 32, GREEDY) for rid, i in members])
+    for _ in range(4):
+        engine.step()
+    partial = {r.request_id: r for r in engine.abort_all()}
+    assert any(r.token_ids for r in partial.values()) and layout() == placed
+    # resumed: the group's prompt prefilled once, each member's partial response extended
+    resumed = engine.generate(
+        [
+            Request(
+                rid,
+                prompts[i] + partial[rid].token_ids,
+                32 - len(partial[rid].token_ids),
+                GREEDY,
+                shared_prefix_len=len(prompts[i]),
+            )
+            for rid, i in members
+        ]
+    )
+    for rid, i in members:
+        assert partial[rid].token_ids + resumed[rid].token_ids == out[str(i)].token_ids, rid
+    assert layout() == placed
+    engine.sleep()
+    engine.wake_up()
+    assert layout() == placed
+    engine.submit([Request("6", prompts[6], 32, GREEDY)])
+    engine.step()
+    # "6b" starts from a copy of its busy sibling's prompt row
+    rest = engine.generate(
+        [Request("6b", prompts[6], 32, GREEDY)] + [Request(str(i), prompts[i], 32, GREEDY) for i in range(7, 16)]
+    )
+    assert engine.stats().prompt_copies == 1
+    assert rest.pop("6b").token_ids == out["6"].token_ids
+    assert {rid: r.token_ids for rid, r in rest.items()} == {str(i): out[str(i)].token_ids for i in range(6, 16)}
+    assert layout() == placed
+
+
+def plan_of(name, spec, *overrides):
+    from april_jax.config.loading import load_config
+    from april_jax.training.devices import parse_spec
+    from april_jax.training.plan import make_plan
+
+    config = Path(__file__).resolve().parents[1] / "configs" / name
+    return make_plan(load_config(["train", "--config", str(config), *overrides]), parse_spec(spec))
+
+
+def test_plan_slots_fit_the_cache_share_and_a_whole_working_set_a_device():
+    """Qwen3-4B at 17,408 positions on 8 H100s: a slot's row is 2.57 GB; each device holds 1/8 of
+    the slots' rows and, in a device call, up to twice every slot's row whole."""
+    plan = plan_of("qwen3_4b.py", "8xH100-80GB", "--config.rollout.engine=jax")
+    tb, j = plan.trainer["bytes_per_device"], plan.rollout["jax_engine"]
+    row = 17_408 * 147_456
+    # JAX's pool (XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 of the device) less what the trainer keeps
+    # through a rollout with the optimizer state on the host (auto: the plan needs the room)
+    room = 0.90 * 80e9 - (tb["parameters"] + tb["runtime"] + tb["xla_margin"] + tb["gathered_weights"])
+    need = lambda slots: row * (slots // 8 + 2 * slots)
+    assert plan.trainer["offload"] is True and plan.trainer["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"
+    assert need(8) <= room < need(16) and j["slots_that_fit"] == 8 and j["slot_shards"] == 8
+    assert any("rollout.max_num_seqs=512" in p and "<=8" in p for p in plan.problems), plan.problems
+    # 12 slots do not divide the 8 devices: every device would hold all 12 rows
+    odd = plan_of("qwen3_4b.py", "8xH100-80GB", "--config.rollout.engine=jax", "--config.rollout.max_num_seqs=12")
+    assert not odd.fits and f"need {row * (12 + 2 * 12) / 1e9:.1f} GB a device" in odd.problems[0]
+    ok = plan_of("qwen3_4b.py", "8xH100-80GB", "--config.rollout.engine=jax", "--config.rollout.max_num_seqs=8")
+    assert ok.fits and ok.rollout["jax_engine"]["kv_cache_bytes_per_device"] == row
+
+
+def test_plan_counts_the_fp32_cache_of_a_cpu_host():
+    plan = plan_of("tiny.py", "1xCPU-24GB", "--config.model.compute_dtype=bfloat16")
+    j, m = plan.rollout["jax_engine"], plan.model
+    assert plan.fits and j["slots"] == 128 and plan.trainer["offload"] is False
+    assert j["kv_cache_bytes_per_device"] == 128 * m["max_model_len"] * m["kv_bytes_per_token"] * 2  # bf16 -> fp32

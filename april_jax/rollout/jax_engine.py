@@ -21,7 +21,10 @@ not paged: JAX wants static shapes, so a paged cache still needs a static page t
 gather-based attention; on CPU and at the sizes this engine serves (tens of slots, a few thousand
 positions) the contiguous cache costs less compute, no indirection, and a slot is refilled by
 overwriting its row. The price is memory reserved for `max_model_len` per slot; for long
-contexts at high concurrency use the vLLM engine, whose paged cache is the point of it.
+contexts at high concurrency use the vLLM engine, whose paged cache is the point of it. On a
+model with a mesh the cache is made sharded by its logical axes (`KEY_AXES`...): the slots over
+data x fsdp, the KV heads over tensor, so each device holds its share of the slots (the deployment
+plan counts it so, `training/plan.py`).
 
 Prefill is batched per bucket length (powers of two up to `max_model_len`) with row counts
 padded to powers of two, so the number of programs is bounded; requests with the same prompt (a
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 from collections.abc import Iterable
 
@@ -44,8 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from april_jax.models.qwen3 import KVCache, Qwen3
+from april_jax.models.sharding import logical_sharding
 from april_jax.rollout import engine_steps, held_kv, sampling
 from april_jax.rollout.engine import TIMELINE_POINTS, EngineStats, PollingEngine
 from april_jax.rollout.engine_steps import bucket_for, length_buckets, pow2_at_least
@@ -60,6 +64,12 @@ SMALLEST_LENGTH_BUCKET = 64
 SMALLEST_SUFFIX_BUCKET = 8
 # Decode and extend batch buckets start here: fewer programs, and a few idle rows cost little.
 SMALLEST_ROWS_BUCKET = 4
+# The KV cache's logical axes (models/sharding.py): keys [B, K, D, S], values [B, K, S, D], lengths [B].
+KEY_AXES, VALUE_AXES, LENGTH_AXES = (
+    ("batch", "kv_heads", "head_dim", "seq"),
+    ("batch", "kv_heads", "seq", "head_dim"),
+    ("batch",),
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,6 +121,28 @@ def merge_buckets(by_bucket: dict[int, list], rows, padding_budget: int) -> dict
     return merged
 
 
+def cache_shardings(make_cache, mesh) -> KVCache | None:
+    """NamedShardings of the cache `make_cache()` would return, from its logical axes on `mesh`
+    (None: no mesh). A dimension its mesh axes do not divide is replicated (`logical_to_spec`)."""
+    if mesh is None:
+        return None
+    shapes = jax.eval_shape(make_cache)
+
+    def shard(axes, x):
+        # trailing replicated dims left out, as the programs' outputs spell it: an equal sharding,
+        # so no call meets a layout it was not compiled for
+        spec = list(logical_sharding(axes, x.shape, mesh).spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    return KVCache(
+        tuple(shard(KEY_AXES, x) for x in shapes.k),
+        tuple(shard(VALUE_AXES, x) for x in shapes.v),
+        shard(LENGTH_AXES, shapes.lengths_B),
+    )
+
+
 class JaxEngine(PollingEngine):
     def __init__(
         self,
@@ -154,7 +186,10 @@ class JaxEngine(PollingEngine):
         # of two of rows from M / share to M (the programs `warmup` compiles).
         self.prefill_share = pow2_at_least(max(samples_per_prompt, 1))
         self.max_model_len = max_model_len
-        self.kv_budget_tokens = math.inf  # every slot has its own max_model_len row: slots bound concurrency
+        # Every slot has its own max_model_len row: no context can overflow or preempt another, and
+        # at most max_num_seqs requests run. APRIL's inflight='auto' caps the contexts in flight at
+        # 0.85 of this, which binds only when their mean nears max_model_len.
+        self.kv_budget_tokens = max_num_seqs * max_model_len
         # Prompt-length buckets of prefill calls; a larger smallest one means fewer programs to compile
         # (each (rows, prompts, length) shape is one) for some padding.
         self.buckets = prefill_buckets(max_model_len, max(1, min(smallest_prefill_bucket, max_model_len)))
@@ -169,15 +204,24 @@ class JaxEngine(PollingEngine):
             length_buckets(max_model_len, SMALLEST_LENGTH_BUCKET) if compact_decode else (max_model_len,)
         )
         self.policy_version = policy_version
-        self._cache = KVCache.zeros(self.cfg, max_num_seqs, max_model_len, cache_dtype or default_cache_dtype(self.cfg))
-        self._cache_dtype = self._cache.v[0].dtype
+        self._cache_dtype = jnp.dtype(cache_dtype or default_cache_dtype(self.cfg))
+        self._cache_shardings = cache_shardings(self._empty_cache, getattr(model, "mesh", None))
+        # a mesh's cache is made where its shards belong, never whole on one device
+        self._new_cache = (
+            self._empty_cache
+            if self._cache_shardings is None
+            else jax.jit(self._empty_cache, out_shardings=self._cache_shardings)
+        )
+        self._cache = self._new_cache()
         # `sleep` frees the KV cache while the trainer steps (verl's free_cache_engine); off keeps it.
         self.free_kv_in_sleep = free_kv_in_sleep
         self._asleep = False
         # Opt-in: aborted rows wait in a side cache and a resume of exactly their tokens skips the
         # re-prefill (see kv_park.py for what that trades).
         self._parking = (
-            KVParking(self.cfg, max_num_seqs, max_model_len, self._cache_dtype) if reuse_aborted_kv else None
+            KVParking(self.cfg, max_num_seqs, max_model_len, self._cache_dtype, self._cache_shardings)
+            if reuse_aborted_kv
+            else None
         )
         # Opt-in: an aborted row stays in its slot, held until a request with exactly its tokens
         # resumes it there (no device call at all) or its slot is needed (oldest first). Held rows
@@ -353,7 +397,7 @@ class JaxEngine(PollingEngine):
             for rows in self._batch_buckets():
                 z = np.zeros(rows, np.int32)
                 self._cache = P.copy_rows(self._cache, z, np.full(rows, S, np.int32), z)
-        self._cache = self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32))
+        self._cache = self._placed(self._cache._replace(lengths_B=jnp.zeros(S, jnp.int32)))
 
     def sleep(self) -> None:
         """Before a train step: free the KV cache (its memory goes to the trainer); parked rows move
@@ -373,7 +417,7 @@ class JaxEngine(PollingEngine):
         """After the train step: a fresh KV cache (same shape, so nothing recompiles), parked rows back."""
         if not self._asleep:
             return
-        self._cache = KVCache.zeros(self.cfg, self.max_num_seqs, self.max_model_len, self._cache_dtype)
+        self._cache = self._new_cache()
         if self._parking is not None:
             self._parking.reload()
         self._asleep = False
@@ -432,6 +476,13 @@ class JaxEngine(PollingEngine):
             self._parking.clear()
 
     # ---- internals ----
+    def _empty_cache(self) -> KVCache:
+        return KVCache.zeros(self.cfg, self.max_num_seqs, self.max_model_len, self._cache_dtype)
+
+    def _placed(self, cache: KVCache) -> KVCache:
+        """`cache` on the cache's shardings (a no-op where it is already), so no program meets a new layout."""
+        return cache if self._cache_shardings is None else jax.device_put(cache, self._cache_shardings)
+
     def _batch_buckets(self, smallest: int = 1) -> list[int]:
         """Row counts of calls: powers of two from `smallest`, the last one `max_num_seqs`."""
         S = self.max_num_seqs
@@ -653,6 +704,7 @@ class JaxEngine(PollingEngine):
             self._cache, held = held_kv.restore(self._cache, state)
         except (ValueError, KeyError, TypeError) as e:  # bad base64, bytes that do not fill the shape
             return f"held KV: unreadable ({e})"
+        self._cache = self._placed(self._cache)  # eager updates may leave another layout: the programs' own
         for slot, key in held:
             self._prompt_kv_version[slot] = -1  # a checkpoint's: the weights that made it are not known here
             self._held.setdefault(key, []).append(slot)

@@ -46,8 +46,10 @@ def _padded(pairs: list[tuple[int, int]], out_of_range: int) -> tuple[np.ndarray
 
 
 class KVParking:
-    def __init__(self, cfg: Qwen3Config, capacity: int, max_len: int, dtype):
+    def __init__(self, cfg: Qwen3Config, capacity: int, max_len: int, dtype, shardings: KVCache | None = None):
+        """`shardings`: the engine cache's (its shape is this cache's), so parked rows stay on their devices."""
         self.cfg, self.capacity, self.max_len, self.dtype = cfg, capacity, max_len, dtype
+        self.shardings = shardings
         self._cache: KVCache | None = None  # allocated at the first park
         self._rows: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
         self._free = list(range(capacity))
@@ -75,7 +77,8 @@ class KVParking:
         if not pairs:
             return
         if self._cache is None:
-            self._cache = KVCache.zeros(self.cfg, self.capacity, self.max_len, self.dtype)
+            zeros = lambda: KVCache.zeros(self.cfg, self.capacity, self.max_len, self.dtype)
+            self._cache = zeros() if self.shardings is None else jax.jit(zeros, out_shardings=self.shardings)()
         dst, src = _padded(pairs, self.capacity)
         self._cache = _copy_rows_jit(self._cache, dst, cache, src)
         self.parked += len(pairs)
@@ -101,7 +104,7 @@ class KVParking:
 
     def reload(self) -> None:
         if self._cache is not None:
-            self._cache = jax.device_put(self._cache)
+            self._cache = jax.device_put(self._cache, self.shardings)
 
     def clear(self) -> None:
         self._rows.clear()

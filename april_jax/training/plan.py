@@ -536,37 +536,95 @@ def _core_list(ids: list[int]) -> str:
 
 
 def _plan_jax_engine(c, plan: Plan, shape: ModelShape, usable: float) -> None:
-    """The embedded engine shares the trainer's devices and JAX's memory: its contiguous cache is
-    slots x max_model_len positions, each device holding its share of the slots."""
-    tb, rollout = plan.trainer["bytes_per_device"], plan.rollout
-    max_len, kv_tok = plan.model["max_model_len"], plan.model["kv_bytes_per_token"]
-    n = len(plan.trainer["devices"])
+    """The embedded engine shares the trainer's devices and JAX's memory pool. Per device it holds:
+    its contiguous cache (slots x max_model_len positions; the slots split over the mesh's data x
+    fsdp when they divide it, else every device holds all of them; the KV heads over tensor when
+    they divide it; fp32 on a CPU host, `default_cache_dtype`), as much again with
+    rollout.reuse_aborted_kv (the side cache), and the working set of one device call: the rows a
+    decode, extend, prompt copy or prefill gathers (at most every slot at max_model_len) held
+    about twice, whole on every device of a mesh (a gather over the sharded slots is not sharded:
+    XLA's memory_analysis of the engine's programs on 8 CPU devices gave 1.3-2x the gathered rows a
+    device, on one device 1.1-1.8x): an upper bound. Beside them: the trainer's resident state (the
+    optimizer state on the host when offloaded), its XLA margin and gathered weights; the whole
+    update too when the cache is kept through it (rollout.free_kv_cache_in_train=false); a copy of
+    the weights when the engine runs on rollout.engine_devices of the devices."""
+    tb, rollout, devices = plan.trainer["bytes_per_device"], plan.rollout, plan.devices
+    _plan_trainer_env(plan, usable, colocated_server=0)
+    max_len, mesh = plan.model["max_model_len"], _engine_mesh(c, plan)
+    slot_shards = mesh["data"] * mesh["fsdp"]
+    # a slot's row on one device: its KV heads split over tensor when they divide it
+    row = (
+        max_len * plan.model["kv_bytes_per_token"] * (1 if devices.is_gpu else 4 // DTYPE_BYTES[c.model.compute_dtype])
+    )
+    row //= mesh["tensor"] if shape.num_key_value_heads % mesh["tensor"] == 0 else 1
+    caches = 2 if c.rollout.reuse_aborted_kv else 1
+    working = lambda slots: 2 * slots * row
+    cache = lambda slots: caches * row * (slots // slot_shards if slots % slot_shards == 0 else slots)
+    need = lambda slots: cache(slots) + working(slots)
+    pool = usable
+    if devices.is_gpu:  # JAX allocates from its pool, a fraction of the device (the plan's env)
+        pool = min(usable, float(plan.trainer["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * devices.bytes_per_device)
+    weights = 0
+    if c.rollout.engine_devices and c.rollout.engine_devices != len(plan.trainer["devices"]):
+        weights = plan.model["parameters"] * DTYPE_BYTES[c.model.dtype] // (mesh["fsdp"] * mesh["tensor"])
+
+    def room(offload: bool) -> float:
+        beside = _resident_in_rollout(tb, offload) + tb["xla_margin"] + tb["gathered_weights"] + weights
+        if not c.rollout.free_kv_cache_in_train:  # the cache stays through the update (state back on the device)
+            beside = max(beside, sum(tb.values()) + weights)
+        return max(pool - beside, 0.0)
+
     offload = c.train.offload == "on"
-    resident = _resident_in_rollout(tb, offload)
-    room = usable - resident - tb["xla_margin"] - tb["gathered_weights"]
-    per_slot = max_len * kv_tok
-    fit_slots = int(max(room, 0) * n // per_slot)
-    if fit_slots < c.rollout.max_num_seqs and c.train.offload == "auto":
+    fit = _slots_that_fit(need, room(offload), slot_shards)
+    if fit < c.rollout.max_num_seqs and c.train.offload == "auto" and c.rollout.free_kv_cache_in_train:
         offload = True
-        room = usable - _resident_in_rollout(tb, True) - tb["xla_margin"] - tb["gathered_weights"]
-        fit_slots = int(max(room, 0) * n // per_slot)
-    slots = min(c.rollout.max_num_seqs, fit_slots)
-    rollout["memory"] = "in-process (JAX's pool; KV freed through the update)"
+        fit = _slots_that_fit(need, room(offload), slot_shards)
+    slots = c.rollout.max_num_seqs if need(c.rollout.max_num_seqs) <= room(offload) else fit
+    rollout["memory"] = "in-process (JAX's pool; " + (
+        "KV freed through the update)" if c.rollout.free_kv_cache_in_train else "KV kept through the update)"
+    )
     rollout["jax_engine"] = {
         "slots": slots,
-        "slots_that_fit": fit_slots,
-        "kv_cache_bytes_per_device": slots * per_slot // n,
+        "slots_that_fit": fit,
+        "slot_shards": slot_shards,
+        "kv_cache_bytes_per_device": cache(slots),
+        "working_set_bytes_per_device": working(slots),
         "kv_tokens": slots * max_len,
     }
     plan.trainer["offload"] = offload
     if slots < c.rollout.max_num_seqs:
         plan.problems.append(
             f"rollout.max_num_seqs={c.rollout.max_num_seqs}: the JAX engine's cache of {c.rollout.max_num_seqs} x "
-            f"{max_len:,} positions needs {c.rollout.max_num_seqs * per_slot / n / GB:.1f} GB a device, "
-            f"{max(room, 0) / GB:.1f} GB are left: set rollout.max_num_seqs<={fit_slots}"
+            f"{max_len:,} positions and a device call's working set need "
+            f"{need(c.rollout.max_num_seqs) / GB:.1f} GB a device, {room(offload) / GB:.1f} GB are left: "
+            f"set rollout.max_num_seqs<={fit}"
         )
-        plan.fixes.append(f"rollout.max_num_seqs={max(fit_slots, 1)}")
-    _plan_trainer_env(plan, usable, colocated_server=0)
+        plan.fixes.append(f"rollout.max_num_seqs={fit}" if fit else "a shorter rollout.max_response_len")
+        plan.fixes.append("rollout.engine=vllm (a paged KV cache)")
+
+
+def _engine_mesh(c, plan: Plan) -> dict:
+    """The JAX engine's mesh axes: the trainer's on all of its devices; on rollout.engine_devices of
+    them the run's axes if they fit, else all on fsdp (`distributed.engine_mesh`)."""
+    n = c.rollout.engine_devices
+    if not n or n == len(plan.trainer["devices"]):
+        return plan.trainer["mesh"]
+    if n > len(plan.trainer["devices"]):
+        plan.problems.append(f"rollout.engine_devices={n}: the trainer has {len(plan.trainer['devices'])} devices")
+    mesh, problem = resolve_mesh(c.mesh.to_dict(), n)
+    return {"data": 1, "fsdp": n, "tensor": 1} if problem else mesh
+
+
+def _slots_that_fit(need, room: float, step: int) -> int:
+    """The most slots, a multiple of `step` (the cache's slots split over `step` devices), whose
+    `need(slots)` bytes fit `room` (need grows with the slots)."""
+    lo, hi = 0, 1
+    while need(hi * step) <= room:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid * step) <= room else (lo, mid)
+    return lo * step
 
 
 # ---- the table ----
