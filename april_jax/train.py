@@ -38,7 +38,6 @@ def run(c, stop: distributed.StopSignal | None = None) -> dict:
     started = time.perf_counter()
     stop = stop or distributed.StopSignal()
     workdir = check_workdir(c.workdir)  # before anything is loaded
-    plan = plan_for_run(c, log=lambda line: print(line, file=sys.stderr))  # before JAX's backend starts
     cache = compile_cache.enable(c.train.compile_cache_dir)  # before the first compile
     if cache:
         print(f"XLA compilation cache: {cache} (--config.train.compile_cache_dir= turns it off)", file=sys.stderr)
@@ -47,19 +46,21 @@ def run(c, stop: distributed.StopSignal | None = None) -> dict:
     if lock is not None and workdir.exists():
         lock.acquire()  # a second trainer stops here, before loading anything
     try:
-        return _run(c, workdir, lock, started, stop, plan)
+        return _run(c, workdir, lock, started, stop)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(c, workdir: Path, lock, started: float, stop, plan: Plan) -> dict:
+def _run(c, workdir: Path, lock, started: float, stop) -> dict:
     from april_jax.models import sharding
     from april_jax.runtime import compile_clock
 
-    mesh = sharding.make_mesh(c.mesh.to_dict())
     # Everything that can reject bad input runs before the workdir is touched.
     task = build_task(c, c.model.path or None)
+    # before JAX's backend starts (the mesh starts it): the plan sets its allocator
+    plan = plan_for_run(c, task.vocab_size, log=lambda line: print(line, file=sys.stderr))
+    mesh = sharding.make_mesh(c.mesh.to_dict())
     with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse, however the run ends
         cleanup.callback(task.reward.close)
         run = _build(c, workdir, lock, mesh, task, cleanup, stop, started, plan)
@@ -100,7 +101,7 @@ def _build(c, workdir: Path, lock, mesh, task: Task, cleanup, stop, started: flo
     from april_jax.rl.rewards import GroupScorer
     from april_jax.rollout.april import April
 
-    trainer, ckpt, warmed_up = _build_trainer(c, workdir, lock, mesh, task, cleanup, plan)
+    trainer, ckpt, warmed_up = _build_trainer(c, workdir, lock, mesh, task, cleanup, plan, stop)
     scorer = GroupScorer(task.reward, task.decode, task.decode_prompt, _overlong_penalty(c))
     april = April(config_lib.rollout_cfg(c, task.stop_ids), task.train, MarkFailedRewards(scorer, task.reward))
     run = Run(
@@ -126,7 +127,7 @@ def _build(c, workdir: Path, lock, mesh, task: Task, cleanup, stop, started: flo
     return run
 
 
-def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup, plan: Plan):
+def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup, plan: Plan, stop):
     """The policy's Trainer (after the supervised warm-up of a fresh run), the run's Checkpointer,
     and whether the run warmed up."""
     import jax
@@ -151,7 +152,7 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup, plan: Plan
         print(plan.summary_line(workdir / "plan.txt"), file=sys.stderr)
     warmed_up = fresh and bool(c.warmup.steps)
     if warmed_up:  # fresh run: supervised warm-up before RL on the task's examples
-        _warm_up(c, model, task)
+        _warm_up(c, model, task, stop)
     trainer = Trainer(
         model,
         config_lib.loss_cfg(c),
@@ -164,13 +165,22 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup, plan: Plan
     return trainer, ckpt, warmed_up
 
 
-def _warm_up(c, model, task: Task) -> None:
+def _warm_up(c, model, task: Task, stop) -> None:
     from april_jax.rl import sft
 
     examples = task.warmup_examples(c.seed, 20_000)
+    stopping = lambda: stop.signum is not None  # noqa: E731
     losses = sft.warmup(
-        model, examples, steps=c.warmup.steps, lr=c.warmup.lr, batch_size=c.warmup.batch_size, seed=c.seed
+        model,
+        examples,
+        steps=c.warmup.steps,
+        lr=c.warmup.lr,
+        batch_size=c.warmup.batch_size,
+        seed=c.seed,
+        should_stop=stopping,
     )
+    if stopping():  # a fresh run: nothing to save, a rerun warms up again from the same seed
+        raise Stopped.after(stop.signum, None, c.train.total_steps, None)
     print(f"supervised warm-up: {c.warmup.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", file=sys.stderr)
 
 
@@ -377,7 +387,13 @@ def _evaluate(run: Run) -> dict:
     if run.engine is None:
         return {}
     task = run.task
-    return evaluate(run.engine, task.eval_prompts, run.eval_scorer, run.c, task.stop_ids, run.state.version)
+    try:  # a signal gives the eval up at the engine's next step: the stop saves what finished
+        return evaluate(
+            run.stop.watching(run.engine), task.eval_prompts, run.eval_scorer, run.c, task.stop_ids, run.state.version
+        )
+    except distributed.Abandoned:
+        run.engine.abort_all()
+        return {}
 
 
 def _log_delivered(run: Run, step: int, groups: list) -> None:

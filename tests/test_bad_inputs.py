@@ -354,6 +354,26 @@ def test_divergence_stops_with_the_last_good_checkpoint_intact(trained):
 
 
 @pytest.mark.slow
+def test_truncated_checkpoint_data_is_one_warning_line(trained):
+    """Parameter data files cut to 0 bytes (a disk that filled, a copy cut short): the checkpoint is
+    set aside in one line, without orbax's abandoned reads' tracebacks or TensorStore's spec."""
+    workdir = trained.parent / "truncated"
+    shutil.copytree(trained, workdir)
+    checkpoints = workdir / "checkpoints"
+    shutil.copytree(checkpoints / "1", checkpoints / "5")
+    data = [f for f in (checkpoints / "5" / "params").rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert data
+    for f in data:
+        f.write_bytes(b"")
+    proc = run(train("--config", TINY, f"--config.workdir={workdir}", *SMALL, "--config.train.total_steps=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
+    assert len(warning) == 1 and "is unreadable" in warning[0] and "resuming from step 1" in warning[0], warning
+    assert "Exception ignored" not in proc.stderr and "TensorStore" not in proc.stderr, proc.stderr[-3000:]
+    assert (workdir / "checkpoints.unreadable" / "5").is_dir()
+
+
+@pytest.mark.slow
 def test_nan_reward_on_every_sample_stops_the_run(launched):
     """A reward function returning NaN: each score counts as a failure (reward 0, reward/failures),
     a step where every reward failed trains nothing, and two in a row stop the run. The same data

@@ -1,10 +1,11 @@
-"""SIGTERM / SIGINT through the real CLI: the run writes the last finished step's checkpoint, stops
+"""SIGTERM / SIGINT / SIGHUP through the real CLI: the run writes the last finished step's checkpoint, stops
 its engine and exits with 128 + the signal and one line; rerunning the same command continues as if
 nothing had happened (metrics and params equal to an uninterrupted run's).
 
-One chain of runs on a copy of one workdir: SIGINT while the trainer starts (the warm-up's result is
-saved as checkpoint 0), SIGTERM to the whole process group in the middle of a step, then a resume to
-the end, compared with one uninterrupted run. The tiny config holds aborted responses' KV through
+One chain of runs on a copy of one workdir: SIGHUP while the trainer starts (the warm-up stops and
+nothing is saved), SIGTERM to the whole process group in the middle of a step, then a resume to
+the end, compared with one uninterrupted run. A long warm-up and a held-out eval stop within a step
+of their own. The tiny config holds aborted responses' KV through
 the train step (`rollout.hold_aborted_kv`, `free_kv_cache_in_train=false`): the signal's checkpoint
 keeps those rows, and the resume puts them back, so it equals the uninterrupted run bit for bit
 (a re-prefill would not). Then SIGTERM under
@@ -116,20 +117,23 @@ def uninterrupted(tmp_path_factory):
 def test_signals_save_the_last_finished_step_and_the_resume_is_identical(uninterrupted, tmp_path):
     workdir, log = tmp_path / "run", tmp_path / "stderr"
 
-    # SIGINT (Ctrl-C) as soon as the trainer runs: it finishes its warm-up, keeps it as checkpoint 0
+    # SIGHUP (the terminal closed) as soon as the trainer runs: the warm-up stops at once and saves
+    # nothing (a rerun warms up again from the same seed)
     proc = start(train(workdir), log)
     wait_for(proc, lambda: "XLA compilation cache:" in log.read_text(), log)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGHUP)
     code, err = finish(proc, log)
-    assert assert_stopped(code, err, signal.SIGINT, workdir) == 0
-    assert read_metrics(workdir) == []
+    assert code == 128 + signal.SIGHUP and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by SIGHUP before step 1 of {STEPS} finished: nothing to save; rerun the same command to start again"
+    )
+    assert read_metrics(workdir) == [] and not list((workdir / "checkpoints").glob("*"))
 
     # SIGTERM to the whole process group (what SLURM does) while step 2 runs: steps 0-1 kept
     proc = start(train(workdir), log)
     wait_for(proc, lambda: len(read_metrics(workdir)) >= 1, log)
     os.killpg(proc.pid, signal.SIGTERM)
     code, err = finish(proc, log)
-    assert "resumed from" in err
     done = assert_stopped(code, err, signal.SIGTERM, workdir)
     assert 1 <= done < STEPS and [r["step"] for r in read_metrics(workdir)] == list(range(done)), (
         "at most the step in progress is lost, and nothing written for it"
@@ -152,6 +156,51 @@ def test_signals_save_the_last_finished_step_and_the_resume_is_identical(uninter
     assert a.keys() == b.keys() and len(a) > 5
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_sigterm_in_a_long_warm_up_stops_within_a_step(tmp_path):
+    """3,000 warm-up steps take minutes on 2 cores; the stop comes one warm-up step after the signal."""
+    workdir, log = tmp_path / "run", tmp_path / "stderr"
+    args = [a if not a.startswith("--config.warmup.steps") else "--config.warmup.steps=3000" for a in train(workdir)]
+    proc = start(args, log)
+    wait_for(proc, lambda: "deployment plan:" in log.read_text(), log)
+    time.sleep(3)  # inside the warm-up's steps
+    signalled = time.time()
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc, log)
+    assert code == 128 + signal.SIGTERM and "nothing to save" in err.strip().splitlines()[-1], err[-3000:]
+    assert time.time() - signalled < 30, "stopped within a warm-up step (and the reward workers' exit)"
+
+
+def test_an_eval_gives_up_at_the_engines_next_step():
+    from april_jax.models import qwen3
+    from april_jax.rollout.jax_engine import JaxEngine
+    from april_jax.rollout.types import Request, SamplingParams
+    from april_jax.runtime.distributed import Abandoned, StopSignal
+
+    cfg = qwen3.Qwen3Config(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    engine = JaxEngine(qwen3.init_model(cfg, seed=0), max_num_seqs=4, max_model_len=128)
+    stop = StopSignal()
+    watched = stop.watching(engine)
+    reqs = [Request(f"eval/{i}", [1, 2, 3], 100, SamplingParams(1.0, seed=i)) for i in range(4)]
+    engine_step, steps = engine.step, []
+
+    def counting_step():  # the signal arrives while the eval's second engine step runs
+        steps.append(1)
+        if len(steps) == 2:
+            stop.signum = signal.SIGTERM
+        return engine_step()
+
+    engine.step = counting_step
+    with pytest.raises(Abandoned):
+        watched.generate(reqs)
+    assert len(steps) == 2 and engine.has_unfinished()  # 100-token requests were far from done
+    engine.abort_all()
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ CPU each process gets `--cpu-devices-per-process` devices (XLA_FLAGS
 LOG_DIR/process_I.log (shown when that process fails). When any process fails, every other one
 is stopped and the launcher exits with the failed process's code (128 + signal when killed).
 
-SIGTERM / SIGINT (a scheduler's preemption, Ctrl-C) is passed on to every process (and its
+SIGTERM / SIGINT / SIGHUP (a scheduler's preemption, Ctrl-C, a closed terminal) is passed on to every process (and its
 reward workers): the trainers agree on a step, write its checkpoint and exit with 128 + the
 signal; the launcher waits for them (up to --stop-grace-s, then SIGKILL) and exits with the same
 code. A second signal SIGKILLs them at once (the last complete checkpoint stays intact).
@@ -146,7 +146,7 @@ def launch(
     def on_signal(signum, _frame):  # Ctrl-C / a scheduler's SIGTERM: stop the whole job
         stopping.append(signum)  # the first: passed on; a second: SIGKILL now
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for i in range(nprocs):
             env = process_env(os.environ, i, nprocs, port, cpu_devices)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import errno
 import re
+import shlex
 import sys
+import time
 import warnings
+from pathlib import Path
 
 from april_jax import config as config_lib
 from april_jax.cli import prog
@@ -83,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     c = None
     try:
         c = load_config(argv)
+        started = time.perf_counter()
         run(c, stop)
+        if distributed.is_main():
+            print(closing_summary(c, argv, time.perf_counter() - started), file=sys.stderr)
     except Stopped as e:
         print(e.line, file=sys.stderr)
         raise SystemExit(e.code) from None
@@ -107,6 +113,40 @@ def main(argv: list[str] | None = None) -> None:
         raise
     finally:
         stop.uninstall()
+
+
+def closing_summary(c, argv: list[str], seconds: float) -> str:
+    """What a finished run says last: its steps and time, the last held-out eval, the last
+    checkpoint, and the commands that come next."""
+    from april_jax.training.metrics import read_metrics
+
+    workdir = Path(c.workdir)
+    rows = read_metrics(workdir)
+    evals = [r for r in rows if "eval/accuracy" in r]
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
+    lines = [f"done: {c.train.total_steps} steps ({seconds / 60:.1f} min this time)"]
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(
+            f"  eval/accuracy {last['eval/accuracy']:.2f} after step {last['step']} "
+            f"(first eval {first['eval/accuracy']:.2f}; temperature {c.eval.temperature:g}, "
+            f"{c.eval.num_prompts} prompts x {c.eval.n_samples})"
+        )
+    if steps:
+        lines.append(f"  last checkpoint: {workdir / 'checkpoints' / str(steps[-1])}")
+    kept = [a for a in argv[1:] if not a.startswith("--config.train.total_steps")]
+    command = " ".join([prog("april_jax.train"), *map(shlex.quote, kept)])
+    lines += [
+        f"  more steps: {command} --config.train.total_steps=N (resumes from the last checkpoint)",
+        f"  plot:       {_sibling('plot')} {shlex.quote(str(workdir))}",
+        f"  export:     {_sibling('ckpt')} export-hf {shlex.quote(str(workdir))} OUT",
+    ]
+    return "\n".join(lines)
+
+
+def _sibling(name: str) -> str:
+    """Another entry point in the form the user ran this one: `april-NAME` or `python -m april_jax.cli.NAME`."""
+    return f"april-{name}" if prog("april_jax.train").startswith("april-") else f"python -m april_jax.cli.{name}"
 
 
 def split_plan_args(argv: list[str]) -> tuple[dict | None, list[str]]:

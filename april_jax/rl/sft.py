@@ -25,8 +25,11 @@ def pack(examples: Sequence[tuple[list[int], list[int]]], pad_to: int | None = N
     return ids, mask
 
 
-def warmup(model: Qwen3, examples, *, steps: int, lr: float, batch_size: int, seed: int = 0) -> list[float]:
-    """Train `model` in place; returns the loss per step."""
+def warmup(
+    model: Qwen3, examples, *, steps: int, lr: float, batch_size: int, seed: int = 0, should_stop=None
+) -> list[float]:
+    """Train `model` in place; returns the loss per step. `should_stop()` true ends it after the
+    step in progress (a stop signal: the caller saves nothing of a warm-up cut short)."""
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adam(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr / 10))
     opt_state = tx.init(params)
@@ -47,6 +50,8 @@ def warmup(model: Qwen3, examples, *, steps: int, lr: float, batch_size: int, se
     rng = np.random.default_rng(seed)
     losses = []
     for _ in range(steps):
+        if should_stop is not None and should_stop():
+            break
         batch = [examples[i] for i in rng.integers(0, len(examples), batch_size)]
         ids, mask = pack(batch, pad_to)
         params, opt_state, loss = step(params, opt_state, jnp.asarray(ids), jnp.asarray(mask))

@@ -8,6 +8,10 @@ saving is asynchronous and `close()` waits for the last one.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import inspect
+import sys
 from pathlib import Path
 
 import jax
@@ -160,9 +164,10 @@ class Checkpointer:
         bad: list[tuple[int, str]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                params, opt_state, meta = self.restore(
-                    step, params_like, opt_state_like, param_shardings, opt_shardings
-                )
+                with _quiet_abandoned_reads():
+                    params, opt_state, meta = self.restore(
+                        step, params_like, opt_state_like, param_shardings, opt_shardings
+                    )
                 problem = meta_problem(meta)
                 if problem:
                     raise CheckpointError(problem)
@@ -246,8 +251,30 @@ def all_finite(tree) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _quiet_abandoned_reads():
+    """A damaged checkpoint fails one of orbax's concurrent array reads; the others' coroutines are
+    dropped with their exceptions unread, which Python reports at garbage collection as
+    'Exception ignored in: <coroutine ...>' with a traceback and TensorStore's spec (~130 lines).
+    The failure itself is reported in one line by the caller: those echoes are muted here."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not inspect.iscoroutine(unraisable.object):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()  # the dropped coroutines go now, while the hook is ours
+        sys.unraisablehook = previous
+
+
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
+    """The reason in one short line: TensorStore appends its whole spec (a bound method's repr and a
+    multi-line JSON) after "See full TensorStore details", which says nothing to the user."""
+    text = str(e).strip().split("See full TensorStore details")[0].strip().rstrip(".")
     return text.splitlines()[0][:300] if text else repr(e)
 
 

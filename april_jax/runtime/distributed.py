@@ -73,17 +73,25 @@ class _StopAwareEngine:
             raise Abandoned
         return self.engine.step()
 
+    def generate(self, requests) -> dict:
+        """The engine's `generate`, stepping here: an eval gives up at the next step after a signal."""
+        self.engine.submit(requests)
+        out = {}
+        while self.engine.has_unfinished():
+            out.update((r.request_id, r) for r in self.step())
+        return out
+
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
 
 class StopSignal:
-    """SIGTERM / SIGINT handlers that only record the signal: the training loop checks
+    """SIGTERM / SIGINT / SIGHUP (a closed terminal) handlers that only record the signal: the training loop checks
     `signum` at safe points (a handler that raised could interrupt a checkpoint half-written or a
     collective the other processes are in). A second signal while stopping changes nothing but
     a note on stderr: the checkpoint is being written, and only SIGKILL cuts it short."""
 
-    SIGNALS = ("SIGTERM", "SIGINT")
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
     def __init__(self):
         self.signum: int | None = None
