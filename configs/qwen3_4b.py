@@ -36,10 +36,11 @@ def get_config(size: str = "4b"):
     c.rollout.max_staleness = 4  # the seed: a response spans at most 5 policy versions
     c.rollout.max_num_seqs = 512
     # APRIL's in-flight design is the product default (refill="members", inflight="auto", finish_wait,
-    # inflight_headroom): what `benchmarks/rollout.py --engine sim` measures. The server shares the
-    # trainer's GPUs (mesh over all devices), so it sleeps through each train step and loses its KV:
-    # the simulator's `--deployment colocated`.
-    c.rollout.vllm_sleep_mode = True
+    # inflight_headroom). The servers share the trainer's GPUs (rollout.deployment="colocated", the
+    # default); the deployment plan (`--plan`) splits each GPU between them at start, so the servers
+    # stay awake with their KV through the update where both fit, and sleep only where they must:
+    # `python -m benchmarks.rollout --engine sim --config configs/qwen3_4b.py --plan-devices 8xH200-141GB`
+    # simulates what the plan launches.
 
     c.loss.clip_eps_low, c.loss.clip_eps_high = 0.2, 0.28
     c.loss.loss_agg_mode = "token-mean"

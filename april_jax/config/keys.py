@@ -156,7 +156,9 @@ class Rollout(RolloutConfig):
         choices=("shm", "file", "cuda_ipc"),
     )
     vllm_sleep_mode: bool = key(
-        False, "vllm colocated on the trainer's GPU: the server sleeps (frees its memory) during train steps"
+        False,
+        "vllm servers attached (rollout.vllm_urls) or on a CPU host: sleep (free their memory) during train "
+        "steps; servers the trainer launches on GPUs sleep as the deployment plan says",
     )
     decode_steps_per_call: int = key(8, "jax engine: decode steps per jitted call (fewer: slots refill sooner)", gt=0)
     merge_padding_tokens: int = key(

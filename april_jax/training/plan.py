@@ -22,6 +22,8 @@ Trainer bytes per device (parameters sharded over fsdp x tensor, rows over data 
     activations              rows x T x per-layer bytes, by model.remat: 'full' keeps one residual
                              a layer and recomputes one layer at a time, 'dots' the matmul outputs,
                              'none' everything; T = the longest prompt + response
+    attention scores         0 with cuDNN's fused attention (a GPU in bf16/fp16); else XLA's one
+                             layer of [heads, T, T] fp32 scores and probabilities a row
     log-probabilities        rows x chunk x vocabulary x 4 bytes x 3 (logits, exp, gradient): the
                              train step computes them `rl.train_step.LOGPROB_CHUNK` positions at a time
     XLA margin               10% of the above + 1 GB (fusion scratch, fragmentation): an assumption
@@ -217,7 +219,13 @@ def resolve_mesh(axes: dict, devices: int) -> tuple[dict, str | None]:
     return axes, None
 
 
-def trainer_bytes(c, shape: ModelShape, mesh: dict, logprob_chunk: int) -> dict[str, int]:
+def flash_attention(c, devices: Devices) -> bool:
+    """Whether the train step's attention is cuDNN's fused kernel (no [T, T] scores in memory):
+    `model.attention_impl` auto or cudnn, on a GPU, in bf16/fp16 (models/qwen3.py)."""
+    return devices.is_gpu and c.model.attention_impl in ("auto", "cudnn") and c.model.compute_dtype != "float32"
+
+
+def trainer_bytes(c, shape: ModelShape, mesh: dict, logprob_chunk: int, flash: bool = True) -> dict[str, int]:
     """The trainer's bytes on one device by component (the module's docstring says how)."""
     P = matmul_params(shape)[0]
     pb, cb = DTYPE_BYTES[c.model.dtype], DTYPE_BYTES[c.model.compute_dtype]
@@ -238,6 +246,8 @@ def trainer_bytes(c, shape: ModelShape, mesh: dict, logprob_chunk: int) -> dict[
         act = rows * T * (L * ((2 * q + 2 * kv + 2 * inter) * cb // tp + h * cb) + 2 * layer_act)
     else:
         act = rows * T * L * 2 * layer_act
+    # XLA's attention holds one layer's fp32 scores and probabilities for every head: [T, T] each
+    scores = 0 if flash else rows * (shape.num_attention_heads // tp) * T * T * 4 * 2
     chunk = min(logprob_chunk or T, T)
     out = {
         "parameters": P * pb // shards,
@@ -246,6 +256,7 @@ def trainer_bytes(c, shape: ModelShape, mesh: dict, logprob_chunk: int) -> dict[
         "reference": P * pb // shards if c.loss.kl_coef else 0,
         "gathered_weights": 2 * (layer_params + V * h) * cb // tp,
         "activations": int(act),
+        "attention_scores": int(scores),
         "logprobs": rows * chunk * V * 4 * 3 // tp,
     }
     out["xla_margin"] = int(XLA_MARGIN_FRAC * sum(out.values()) + XLA_MARGIN_BYTES)
@@ -331,7 +342,7 @@ def make_plan(c, devices: Devices, vocab_size: int | None = None, logprob_chunk:
     if mesh_problem:
         problems.append(mesh_problem)
         mesh = {"data": 1, "fsdp": len(train_ids), "tensor": 1}
-    tb = trainer_bytes(c, shape, mesh, logprob_chunk)
+    tb = trainer_bytes(c, shape, mesh, logprob_chunk, flash_attention(c, devices))
     trainer_peak = sum(tb.values())
     usable = devices.usable_bytes
     engine = c.rollout.engine
