@@ -299,6 +299,7 @@ def _train_step(run: Run, step: int) -> dict:
     metrics.update(
         {"reward/failures": run.task.reward.failures, "reward/timeouts": run.task.reward.timeouts}
     )  # eval's too
+    run.task.reward.failure_log.write(run.workdir, step, trained=not skipped)  # what failed, how: the workdir
     if run.writer is not None:
         run.writer.write(step, metrics)
     _check_skipped(run, step, skipped, shared["rewards_failed"], metrics)
@@ -444,7 +445,7 @@ def _check_skipped(run: Run, step: int, skipped: bool, rewards_failed: bool, met
     if not (in_a_row >= c.train.max_skipped_steps or (skipped and step + 1 == c.train.total_steps)):
         return
     why = (
-        "every reward failed (an exception, NaN or a timeout)"
+        f"every reward failed ({run.task.reward.failure_log.cause()})"
         if rewards_failed
         else f"non-finite loss, gradient or updated parameters (loss {metrics.get('train/loss')}, "
         f"grad norm {metrics.get('train/grad_norm')})"

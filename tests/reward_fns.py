@@ -1,6 +1,10 @@
 """Custom reward functions for the reward tests, one per call form (imported by the pool workers)."""
 
 import asyncio
+import os
+import subprocess
+import sys
+import threading
 import time
 
 from april_jax.rl import rewards
@@ -76,3 +80,75 @@ def chat_run(sample) -> float:
     ):
         return -1.0
     return float(len(sample.response_ids) % 2 == 0)
+
+
+# ---- reward code that misbehaves (tests/test_reward_isolation.py) ----
+
+
+def interrupts(sample) -> float:
+    raise KeyboardInterrupt
+
+
+def exits_7(sample) -> float:
+    raise SystemExit(7)
+
+
+def returns_none(sample):
+    """Forgot its `return`."""
+
+
+@rewards.batched
+def one_short(samples) -> list[float]:
+    """A batched function that loses a score."""
+    return [1.0] * (len(samples) - 1)
+
+
+def dies(sample) -> float:
+    os._exit(3)
+
+
+def dies_after_returning(sample) -> float:
+    """Its worker exits a moment after the call returned (a thread the reward left behind)."""
+    threading.Thread(target=lambda: (time.sleep(0.2), os._exit(3))).start()
+    return 1.0
+
+
+def forks(sample) -> float:
+    """Leaves processes running, as a sandbox or a judge server would: a `sleep` child, one in a
+    session of its own (gone from the worker's group and, once the worker is, from its tree), and a
+    forked copy of the worker that never execs (so without the pool's token in /proc/PID/environ).
+    Their pids are appended to the file the sample's field `pids_file` names, else
+    $APRIL_TEST_CHILD_PIDS (the CLI runs: a pool's forkserver keeps the environment it started with)."""
+    children = [
+        subprocess.Popen(["sleep", "300"]).pid,
+        subprocess.Popen(["sleep", "300"], start_new_session=True).pid,
+    ]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(300)
+        finally:
+            os._exit(0)
+    children.append(pid)
+    with open(sample.fields.get("pids_file") or os.environ["APRIL_TEST_CHILD_PIDS"], "a") as f:
+        f.write("".join(f"{p}\n" for p in children))
+    return 1.0
+
+
+def misbehaves(sample) -> float:
+    """For the CLI run: by the sample's index in its group, a KeyboardInterrupt, a SystemExit(7),
+    a worker that dies, or processes left running (scored 1: so each group has a score to learn from)."""
+    if sample.index == 0:
+        raise KeyboardInterrupt
+    if sample.index == 1:
+        sys.exit(7)
+    if sample.index == 2:
+        os._exit(3)
+    return forks(sample)
+
+
+def forks_and_hangs(sample) -> float:
+    """Starts what `forks` starts, then is stuck (killed by reward.timeout_s)."""
+    forks(sample)
+    while True:
+        time.sleep(1)
