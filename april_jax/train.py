@@ -58,11 +58,11 @@ def _run(c, workdir: Path, lock, started: float, stop) -> dict:
 
     # Everything that can reject bad input runs before the workdir is touched.
     task = build_task(c, c.model.path or None)
-    # before JAX's backend starts (the mesh starts it): the plan sets its allocator
-    plan = plan_for_run(c, task.vocab_size, log=lambda line: print(line, file=sys.stderr))
-    mesh = sharding.make_mesh(c.mesh.to_dict())
     with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse, however the run ends
-        cleanup.callback(task.reward.close)
+        cleanup.callback(task.reward.close)  # the reward workers started with the task
+        # before JAX's backend starts (the mesh starts it): the plan sets its allocator
+        plan = plan_for_run(c, task.vocab_size, log=lambda line: print(line, file=sys.stderr))
+        mesh = sharding.make_mesh(c.mesh.to_dict())
         run = _build(c, workdir, lock, mesh, task, cleanup, stop, started, plan)
         compile_clock.install()
         last = {}
