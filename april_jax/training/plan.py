@@ -561,7 +561,8 @@ def _plan_jax_engine(c, plan: Plan, shape: ModelShape, usable: float) -> None:
     the weights when the engine runs on rollout.engine_devices of the devices."""
     tb, rollout, devices = plan.trainer["bytes_per_device"], plan.rollout, plan.devices
     _plan_trainer_env(plan, usable, colocated_server=0)
-    max_len, mesh = plan.model["max_model_len"], _engine_mesh(c, plan)
+    own_mesh = _engine_mesh(c, plan)  # None: the engine reads the trainer's arrays on its mesh
+    max_len, mesh = plan.model["max_model_len"], own_mesh or plan.trainer["mesh"]
     slot_shards = mesh["data"] * mesh["fsdp"]
     # a slot's row on one device: its KV heads split over tensor when they divide it
     row = (
@@ -575,9 +576,11 @@ def _plan_jax_engine(c, plan: Plan, shape: ModelShape, usable: float) -> None:
     pool = usable
     if devices.is_gpu:  # JAX allocates from its pool, a fraction of the device (the plan's env)
         pool = min(usable, float(plan.trainer["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * devices.bytes_per_device)
-    weights = 0
-    if c.rollout.engine_devices and c.rollout.engine_devices != len(plan.trainer["devices"]):
-        weights = plan.model["parameters"] * DTYPE_BYTES[c.model.dtype] // (mesh["fsdp"] * mesh["tensor"])
+    weights = (
+        0
+        if own_mesh is None
+        else plan.model["parameters"] * DTYPE_BYTES[c.model.dtype] // (mesh["fsdp"] * mesh["tensor"])
+    )
 
     def room(offload: bool) -> float:
         beside = _resident_in_rollout(tb, offload) + tb["xla_margin"] + tb["gathered_weights"] + weights
@@ -614,14 +617,14 @@ def _plan_jax_engine(c, plan: Plan, shape: ModelShape, usable: float) -> None:
         plan.fixes.append("rollout.engine=vllm (a paged KV cache)")
 
 
-def _engine_mesh(c, plan: Plan) -> dict:
-    """The JAX engine's mesh axes: the trainer's on all of its devices; on rollout.engine_devices of
-    them the run's axes if they fit, else all on fsdp (`distributed.engine_mesh`)."""
+def _engine_mesh(c, plan: Plan) -> dict | None:
+    """The mesh axes of a JAX engine on rollout.engine_devices of the GPUs (its own copy of the
+    weights): the run's axes if they fit, else all on fsdp (`distributed.engine_mesh`); None when
+    it runs on all of them (a CPU host is one device here, and a count past the GPUs the run
+    itself refuses)."""
     n = c.rollout.engine_devices
-    if not n or n == len(plan.trainer["devices"]):
-        return plan.trainer["mesh"]
-    if n > len(plan.trainer["devices"]):
-        plan.problems.append(f"rollout.engine_devices={n}: the trainer has {len(plan.trainer['devices'])} devices")
+    if not plan.devices.is_gpu or not n or n >= len(plan.trainer["devices"]):
+        return None
     mesh, problem = resolve_mesh(c.mesh.to_dict(), n)
     return {"data": 1, "fsdp": n, "tensor": 1} if problem else mesh
 
