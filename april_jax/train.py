@@ -134,7 +134,7 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup, plan: Plan
 
     from april_jax.rl.train_step import Trainer
     from april_jax.runtime.checkpoints import Checkpointer
-    from april_jax.training.builders import build_model, build_reference, check_vocab
+    from april_jax.training.builders import build_lora, build_model, build_reference, check_vocab
 
     check_vocab(c, task.vocab_size)
     mesh = mesh if jax.device_count() > 1 else None
@@ -161,6 +161,7 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup, plan: Plan
         micro_batch_size=c.train.micro_batch_size or None,
         temperature=c.rollout.temperature or 1.0,
         reference=build_reference(c, mesh, model, workdir, fresh=fresh),
+        lora=build_lora(c, mesh, model, workdir, fresh=fresh),
     )
     return trainer, ckpt, warmed_up
 

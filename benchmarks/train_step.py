@@ -57,7 +57,7 @@ def step_temp_bytes(trainer: Trainer, batch: dict, logprob_chunk: int) -> int:
     previous, train_step.LOGPROB_CHUNK = train_step.LOGPROB_CHUNK, logprob_chunk
     try:  # a jit of its own: the chunk size is read when the step is traced
         step = jax.jit(partial(trainer._step_impl, n_micro), donate_argnums=(0, 1))
-        compiled = step.lower(trainer.params, trainer.opt_state, prepared, jnp.int32(0)).compile()
+        compiled = step.lower(trainer.params, trainer.opt_state, trainer.base, prepared, jnp.int32(0)).compile()
     finally:
         train_step.LOGPROB_CHUNK = previous
     return int(compiled.memory_analysis().temp_size_in_bytes)

@@ -260,6 +260,7 @@ def test_a_real_server_that_fails_to_start_is_one_line_with_vllm_s_reason_and_it
         "--config.rollout.engine=vllm",
         f"--config.rollout.vllm_python={vllm_python()}",
         "--config.rollout.max_model_len=8192",
+        "--config.train.micro_batch_size=1",  # the deployment plan must fit 8192-token rows on this host
         "--config.warmup.steps=0",
         "--config.log.tensorboard=false",
         "--config.log.progress=false",

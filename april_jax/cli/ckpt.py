@@ -2,7 +2,9 @@
 
 python -m april_jax.cli.ckpt inspect PATH [--json]     PATH: workdir, checkpoints dir or step dir
 python -m april_jax.cli.ckpt export-hf PATH OUT        a transformers-loadable checkpoint (OUT new or empty,
-                                                   or --force to replace the model files in it)
+                                                   or --force to replace the model files in it); a LoRA
+                                                   run's adapters merged into its base
+python -m april_jax.cli.ckpt export-peft PATH OUT      a LoRA run's adapters as PEFT loads them
 """
 
 from __future__ import annotations
@@ -57,6 +59,26 @@ def describe(path) -> dict:
             "tokens": sum(len(s["response_ids"]) for s in samples),
         },
         "dropped_prompts": len(meta["april"]["dropped"]),
+        "lora": _lora_info(meta),
+    }
+
+
+def _lora_keys(meta: dict) -> dict | None:
+    """The run's model.lora_* keys, or None for full fine-tuning."""
+    model = meta.get("config", {}).get("model", {})
+    return model if model.get("lora_rank") else None
+
+
+def _lora_info(meta: dict) -> dict | None:
+    from april_jax.models.lora import parse_targets
+
+    keys = _lora_keys(meta)
+    if keys is None:
+        return None
+    return {
+        "rank": keys["lora_rank"],
+        "alpha": keys["lora_alpha"],
+        "targets": list(parse_targets(keys["lora_targets"])),
     }
 
 
@@ -114,11 +136,82 @@ def export_hf(path, out, force: bool = False) -> int:
         cfg = cfg.replace(eos_token_id=eos_token_id(tokenizer_dir, meta))
     abstract = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
-    params = ocp.StandardCheckpointer().restore(step_dir / "params", target)
+    if _lora_keys(meta) is not None:
+        params = _merged_lora_params(meta, cfg, step_dir)
+    else:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+        params = ocp.StandardCheckpointer().restore(step_dir / "params", target)
     nnx.replace_by_pure_dict(state, params)
     hf.save_pretrained(nnx.merge(graphdef, state), out)
     write_tokenizer(tokenizer_dir, out)
+    return int(meta["step"])
+
+
+def _lora_config(meta: dict):
+    from april_jax.models.lora import LoRAConfig, parse_targets
+
+    keys = _lora_keys(meta)
+    return LoRAConfig(int(keys["lora_rank"]), float(keys["lora_alpha"]), parse_targets(keys["lora_targets"]))
+
+
+def restore_adapters(meta: dict, cfg, step_dir) -> dict:
+    """A LoRA checkpoint's adapters (the pure dict the Trainer trained)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from april_jax.models import lora, qwen3
+
+    lora_cfg = _lora_config(meta)
+    abstract = nnx.eval_shape(lambda: lora.add_adapters(qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)), lora_cfg))
+    _, adapters, _ = nnx.split(abstract, lora.LoRAParam, ...)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(adapters))
+    return ocp.StandardCheckpointer().restore(Path(step_dir) / "params", target)
+
+
+def _merged_lora_params(meta: dict, cfg, step_dir) -> dict:
+    """The base (model.path, WORKDIR/lora_base or the seed's random model) with the adapters merged."""
+    from flax import nnx
+
+    from april_jax.models import hf, lora, qwen3
+
+    kind, where = lora.base_source(meta.get("config", {}))
+    why = lora.fingerprint_change((meta.get("lora") or {}).get("base"), meta.get("config", {}))
+    if why:
+        raise CheckpointError(f"{step_dir}: {why}")
+    if kind == "path":
+        if not Path(where).is_dir():
+            raise CheckpointError(f"{step_dir}: the LoRA run's base {where} is gone (export-peft needs no base)")
+        base = hf.from_pretrained(where, dtype=cfg.param_dtype)
+    else:
+        base = qwen3.init_model(cfg, seed=where)
+    adapters = restore_adapters(meta, cfg, step_dir)
+    return lora.merge(nnx.to_pure_dict(nnx.state(base)), adapters, _lora_config(meta).scale)
+
+
+def export_peft(path, out, force: bool = False) -> int:
+    """Write a LoRA checkpoint's adapters as PEFT's adapter_config.json + adapter_model.safetensors."""
+    from safetensors.numpy import save_file
+
+    from april_jax.models import lora, qwen3
+
+    step_dir = resolve_step_dir(path)
+    meta = read_meta(step_dir)
+    keys = _lora_keys(meta)
+    if keys is None:
+        raise CheckpointError(f"{step_dir}: a full fine-tuning run (model.lora_rank=0) has no adapters; use export-hf")
+    check_export_target(out, force, step_dir)
+    cfg = qwen3.Qwen3Config.from_hf_config(
+        meta["model_config"], param_dtype=meta["model_config"].get("torch_dtype", "float32")
+    )
+    tensors = lora.peft_tensors(restore_adapters(meta, cfg, step_dir))
+    kind, where = lora.base_source(meta.get("config", {}))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(
+        json.dumps(lora.peft_config(keys, where if kind == "path" else ""), indent=2) + "\n"
+    )
     return int(meta["step"])
 
 
@@ -182,7 +275,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog=prog("april_jax.cli.ckpt"), description="Inspect and export training checkpoints."
     )
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{inspect,export-hf}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{inspect,export-hf,export-peft}")
     where = "a workdir, its checkpoints dir, or one step's dir (the latest step when not a step dir)"
     p = sub.add_parser(
         "inspect",
@@ -201,6 +294,15 @@ def main(argv=None) -> None:
     e.add_argument("path", help=where)
     e.add_argument("out", help="output directory: new or empty (see --force)")
     e.add_argument("--force", action="store_true", help="write into a non-empty OUT (replaces its model files)")
+    ep = sub.add_parser(
+        "export-peft",
+        help="write a LoRA run's adapters for PEFT",
+        description="Write a LoRA run's adapters as adapter_config.json + adapter_model.safetensors: "
+        "peft.PeftModel.from_pretrained(base, OUT) loads them onto the run's base (model.path).",
+    )
+    ep.add_argument("path", help=where)
+    ep.add_argument("out", help="output directory: new or empty (see --force)")
+    ep.add_argument("--force", action="store_true", help="write into a non-empty OUT (replaces its adapter files)")
     args = parser.parse_args(argv)
     from absl import logging as absl_logging
 
@@ -218,6 +320,12 @@ def main(argv=None) -> None:
             print("  orbax items (read them with plain orbax: README, 'Reading a checkpoint'):")
             for name, how in info["items"].items():
                 print(f"    {name:<10} {how}")
+            if info["lora"]:
+                lo = info["lora"]
+                print(
+                    f"  LoRA: rank {lo['rank']}  alpha {lo['alpha']}  targets {','.join(lo['targets'])}  "
+                    f"(the parameters below are the adapters; the base is the run's model)"
+                )
             print(f"  parameters: {info['num_params']:,}")
             for prm in info["params"]:
                 print(f"    {prm['name']:<50} {str(tuple(prm['shape'])):<16} {prm['dtype']:<9} {prm['sharding']}")
@@ -226,6 +334,9 @@ def main(argv=None) -> None:
                 f"  partial buffer: {b['groups']} groups ({b['complete_groups']} complete), "
                 f"{b['partial_samples']} partial samples, {b['tokens']} tokens; dropped prompts {info['dropped_prompts']}"
             )
+        elif args.cmd == "export-peft":
+            step = export_peft(args.path, args.out, force=args.force)
+            print(f"wrote {args.out} (adapters of step {step} of {resolve_step_dir(args.path).parent.parent})")
         else:
             step = export_hf(args.path, args.out, force=args.force)
             print(f"wrote {args.out} (step {step} of {resolve_step_dir(args.path).parent.parent})")

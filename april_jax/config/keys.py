@@ -76,6 +76,15 @@ class Model:
         "attention kernel: 'auto' uses cuDNN flash attention on GPU in bf16/fp16, else XLA",
         choices=qwen3.ATTENTION_IMPLS,
     )
+    lora_rank: int = key(
+        0, "LoRA rank: > 0 trains adapters on a frozen base (the KL reference: adapters off); 0: full fine-tuning", ge=0
+    )
+    lora_alpha: float = key(
+        32.0, "LoRA scaling numerator: the adapters' output is scaled by lora_alpha / lora_rank", gt=0
+    )
+    lora_targets: str = key(
+        "all", "projections that get adapters: 'all' or a comma-separated subset of q,k,v,o,gate,up,down"
+    )
     tiny: TinyModel = section(TinyModel, "the shape of model.arch='tiny' (vocabulary: the task's)")
 
 
@@ -205,7 +214,9 @@ class Rollout(RolloutConfig):
         0, "vllm on a CPU host: servers to launch, each pinned to its own cores; 0: one (GPUs: one per GPU group)", ge=0
     )
     kv_cache_bytes: int = key(
-        0, "vllm: KV cache bytes a GPU of each server; 0: what the plan leaves (capped at max_num_seqs full sequences)", ge=0
+        0,
+        "vllm: KV cache bytes a GPU of each server; 0: what the plan leaves (capped at max_num_seqs full sequences)",
+        ge=0,
     )
     enforce_eager: bool = key(False, "vllm on a GPU: no CUDA graphs (CPU servers are always eager)")
     engine_devices: int = key(
@@ -374,6 +385,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     schema.check_values(schema.flat(c), SPECS, skip=SELF_CHECKED)
     rollout_cfg(c)  # before the rules below: a bad rollout key is blamed, not what uses it
     loss_cfg(c)
+    lora_cfg(c)
     batch = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
     if c.train.micro_batch_size and batch % c.train.micro_batch_size:
         raise ConfigError(
@@ -471,6 +483,23 @@ def loss_cfg(c) -> LossConfig:
         return LossConfig(**fields).validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def lora_cfg(c, base: dict | None = None):
+    """The LoRAConfig of model.lora_*, or None (lora_rank 0: full fine-tuning)."""
+    from april_jax.models.lora import LoRAConfig, parse_targets
+
+    try:
+        targets = parse_targets(c.model.lora_targets)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.lora_targets'={c.model.lora_targets!r}: {e}") from None
+    if not c.model.lora_rank:
+        if c.model.lora_targets.strip() != "all":
+            raise ConfigError(
+                f"config key 'model.lora_targets'={c.model.lora_targets!r} needs model.lora_rank > 0 (it is 0: full fine-tuning)"
+            )
+        return None
+    return LoRAConfig(c.model.lora_rank, float(c.model.lora_alpha), targets, seed=c.seed, base=base)
 
 
 def optimizer_cfg(c) -> OptimizerConfig:

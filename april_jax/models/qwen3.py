@@ -289,11 +289,19 @@ class Linear(nnx.Module):
         self.dtype = cfg.dtype
         self.weight = nnx.Param(_normal(rngs, (d_out, d_in), cfg), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((d_out,), cfg.param_dtype), logical_axes=axes[:1]) if bias else None
+        # An optional LoRA adapter (models/lora.py attaches it): A [in, r], B [r, out].
+        self.lora_a = self.lora_b = None
+        self.lora_scale, self.lora_enabled = 0.0, True
 
     def __call__(self, x):
         # Flattened to [tokens, in]: XLA's CPU backward of the batched-dims einsum was ~1.5x slower.
         x_NI = x.reshape(-1, x.shape[-1])
-        y = _rows_times_weight(x_NI, self.weight[...], self.dtype).reshape(*x.shape[:-1], -1)
+        y_NO = _rows_times_weight(x_NI, self.weight[...], self.dtype)
+        if self.lora_a is not None and self.lora_enabled:
+            # Through the rank: x A then B, never the [in, out] product (r << in, out).
+            x_NR = _einsum("ni,ir->nr", x_NI, self.lora_a[...], self.dtype)
+            y_NO = y_NO + _einsum("nr,ro->no", x_NR, self.lora_b[...], self.dtype) * self.lora_scale
+        y = y_NO.reshape(*x.shape[:-1], -1)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from april_jax.config.schema import key
+from april_jax.models import lora as lora_lib
 from april_jax.models.qwen3 import Qwen3
 from april_jax.models.sharding import logical_sharding
 from april_jax.rl.losses import LossConfig, denominators, effective_mask, policy_loss
@@ -157,15 +158,32 @@ class Trainer:
         micro_batch_size: int | None = None,
         temperature: float = 1.0,
         reference: Qwen3 | None = None,
+        lora: lora_lib.LoRAConfig | None = None,
     ):
-        """`reference`: the frozen KL reference (same architecture); None: the initial params.
-        Only kept when loss_cfg.kl_coef > 0."""
+        """`reference`: the frozen KL reference (same architecture); None: the initial params (with
+        `lora`: the same model with its adapters off, no copy). Only kept when loss_cfg.kl_coef > 0.
+
+        `lora` with rank > 0: adapters are added to the target projections of (a view of) `model`,
+        which becomes the frozen base in the compute dtype; `params` and `opt_state` are the
+        adapters' only. `model()` / `nnx_state()` are then the merged weights."""
         self.loss_cfg = loss_cfg.validate()
         self.opt_cfg = opt_cfg
         self.mesh = mesh
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
-        self.graphdef, state = nnx.split(model)
+        self.model_cfg = model.cfg
+        self.lora = lora if lora is not None and lora.rank else None
+        self.base = {}
+        if self.lora is not None:
+            model = self._add_adapters(model)
+            self.graphdef, state, base = nnx.split(model, lora_lib.LoRAParam, ...)
+            compute = model.cfg.dtype
+            # The forward casts every weight to the compute dtype anyway: keeping the frozen base in
+            # it is the same numbers for half the memory under bf16 compute.
+            self.base = jax.tree.map(lambda x: x.astype(compute), nnx.to_pure_dict(base))
+            self._base_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), base)
+        else:
+            self.graphdef, state = nnx.split(model)
         self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         self.tx = make_optimizer(opt_cfg)
         self.skipped_steps = 0
@@ -187,29 +205,88 @@ class Trainer:
             self.params = nnx.to_pure_dict(state)
             self.opt_state = jax.jit(self.tx.init)(self.params)
         self._step_fns: dict = {}
-        self.ref_params = self._reference_params(reference) if self.loss_cfg.kl_coef else None
+        # What the KL reference's logprobs run: "policy" (ref_params through the policy's graph),
+        # "plain" (ref_params through the base's graph: a LoRA run with loss.ref_path) or
+        # "adapters_off" (the LoRA policy's own base, no copy).
+        self._ref_kind = "plain" if self.lora is not None else "policy"
+        if self.lora is not None and reference is None:
+            self._ref_kind, self.ref_params = "adapters_off", None
+        else:
+            self.ref_params = self._reference_params(reference) if self.loss_cfg.kl_coef else None
         self._opt_device_shardings = None  # set while the optimizer state is on the host
+
+    def _add_adapters(self, model: Qwen3) -> Qwen3:
+        """A new module on `model`'s arrays (the caller's model stays without adapters) with fresh
+        adapters; keeps the plain model's graph and shardings for the merged views."""
+        plain_graphdef, plain_state = nnx.split(model)
+        self._plain_graphdef = plain_graphdef
+        self._plain_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), plain_state)
+        self._plain_shardings = None
+        if self.mesh is not None:
+            flat = nnx.to_flat_state(plain_state)
+            self._plain_shardings = _nest(
+                {p: logical_sharding(v.get_metadata()["logical_axes"], v.get_value().shape, self.mesh) for p, v in flat}
+            )
+        model = lora_lib.add_adapters(nnx.merge(plain_graphdef, plain_state), self.lora, self.mesh)
+        self._ref_graphdef = nnx.split(lora_lib.set_enabled(model, False))[0]
+        lora_lib.set_enabled(model, True)
+        # Merged, not unmerged: the engine then runs the plain model's programs unchanged (no
+        # adapter matmuls in every decode step) for one W + AB per sync, the cheap side at RL's
+        # one sync per step.
+        kw = {} if self.mesh is None else dict(out_shardings=self._plain_shardings)
+        self._merge_fn = jax.jit(partial(lora_lib.merge, scale=self.lora.scale), **kw)
+        return model
 
     def _reference_params(self, reference: Qwen3 | None):
         """A device copy of the reference's params with the policy's shardings (never via the host).
         The policy's own buffers are donated to every step, so the initial params are copied."""
+        like = self.params if self.lora is None else self._plain_abstract
+        shardings = self.param_shardings if self.lora is None else self._plain_shardings
         if reference is not None:
             source = nnx.to_pure_dict(nnx.state(reference))
             describe = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
-            if describe(source) != describe(self.params):
+            if describe(source) != describe(nnx.to_pure_dict(like) if self.lora is not None else like):
                 raise ValueError(
                     "loss.ref_path: the reference model's parameter shapes/dtypes differ from the policy's"
                 )
             # already on the mesh when loaded with it: then a no-op
-            return source if self.mesh is None else jax.device_put(source, self.param_shardings)
+            return source if self.mesh is None else jax.device_put(source, shardings)
         kw = {} if self.mesh is None else dict(out_shardings=self.param_shardings)
         return jax.jit(lambda p: jax.tree.map(jnp.copy, p), **kw)(self.params)
 
     # ---- model views ----
-    def model(self, params=None) -> Qwen3:
+    def _policy(self, params, base, enabled: bool = True) -> Qwen3:
+        """The model being differentiated: `params` (with LoRA: the adapters, on `base`)."""
         state = jax.tree.map(lambda x: x, self.abstract)
-        nnx.replace_by_pure_dict(state, self.params if params is None else params)
-        return nnx.merge(self.graphdef, state)
+        nnx.replace_by_pure_dict(state, params)
+        if self.lora is None:
+            return nnx.merge(self.graphdef, state)
+        base_state = jax.tree.map(lambda x: x, self._base_abstract)
+        nnx.replace_by_pure_dict(base_state, base)
+        return nnx.merge(self.graphdef if enabled else self._ref_graphdef, state, base_state)
+
+    def _plain(self, params) -> Qwen3:
+        state = jax.tree.map(lambda x: x, self._plain_abstract)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self._plain_graphdef, state)
+
+    def model(self, params=None) -> Qwen3:
+        """The policy as a plain model: with LoRA, the base with `params`' adapters merged in."""
+        params = self.params if params is None else params
+        if self.lora is None:
+            return self._policy(params, self.base)
+        return self._plain(self._merge_fn(self.base, params))
+
+    def lora_meta(self) -> dict | None:
+        """What a checkpoint records of the adapters (None: full fine-tuning)."""
+        if self.lora is None:
+            return None
+        return {
+            "rank": self.lora.rank,
+            "alpha": self.lora.alpha,
+            "targets": list(self.lora.targets),
+            "base": self.lora.base,
+        }
 
     def nnx_state(self) -> nnx.State:
         """The parameters as an nnx.State (what engines' update_weights takes)."""
@@ -234,17 +311,18 @@ class Trainer:
         return batch_size // mb
 
     # ---- logprobs before the update (pi_old) and of a reference ----
-    def logprobs(self, input_ids_BS, params=None):
+    def logprobs(self, input_ids_BS, params=None, view: str = "policy"):
+        """Logprobs of the policy (or `params` seen as `view`: see `_ref_kind`)."""
         batch = self._put({"input_ids": input_ids_BS})
         n_micro = self._micro(batch["input_ids"].shape[0])
-        fn = self._jitted("logprobs", n_micro)
-        return fn(self.params if params is None else params, batch["input_ids"])
+        fn = self._jitted("logprobs", n_micro, view)
+        return fn(self.params if params is None else params, self.base, batch["input_ids"])
 
-    def _jitted(self, kind: str, n_micro: int, with_ref: bool = False):
+    def _jitted(self, kind: str, n_micro: int, with_ref=False):
         key = (kind, n_micro, with_ref)
         if key not in self._step_fns:
             if kind == "logprobs":
-                self._step_fns[key] = jax.jit(partial(self._logprobs_impl, n_micro))
+                self._step_fns[key] = jax.jit(partial(self._logprobs_impl, n_micro, with_ref))
             elif kind == "grads":
                 self._step_fns[key] = jax.jit(partial(self._grads_impl, n_micro))
             else:
@@ -254,8 +332,11 @@ class Trainer:
                 self._step_fns[key] = jax.jit(partial(self._step_impl, n_micro), donate_argnums=(0, 1), **kw)
         return self._step_fns[key]
 
-    def _logprobs_impl(self, n_micro, params, input_ids_BS):
-        model = self.model(params)
+    def _logprobs_impl(self, n_micro, view, params, base, input_ids_BS):
+        if view == "plain" and self.lora is not None:
+            model = self._plain(params)
+        else:
+            model = self._policy(params, base, enabled=view != "adapters_off")
         micro = input_ids_BS.reshape(n_micro, -1, input_ids_BS.shape[-1])
         logp = jax.lax.map(lambda ids: token_logprobs(model, ids, self.temperature)[0], micro)
         return logp.reshape(input_ids_BS.shape[0], -1)
@@ -273,8 +354,9 @@ class Trainer:
                 batch["old_logp"] = self.logprobs(batch["input_ids"])
             else:
                 batch.pop("old_logp", None)
-        if self.ref_params is not None and batch.get("ref_logp") is None:
-            batch["ref_logp"] = self.logprobs(batch["input_ids"], self.ref_params)
+        if self.loss_cfg.kl_coef and batch.get("ref_logp") is None:
+            ref = self.params if self._ref_kind == "adapters_off" else self.ref_params
+            batch["ref_logp"] = self.logprobs(batch["input_ids"], ref, self._ref_kind)
         return self._put(batch)
 
     # ---- the update ----
@@ -297,7 +379,9 @@ class Trainer:
         batch = self.prepare(batch, fix_pi_old=False)
         n_micro = self._micro(batch["input_ids"].shape[0])
         fn = self._jitted("step", n_micro, "ref_logp" in batch)
-        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, batch, jnp.int32(current_version))
+        self.params, self.opt_state, metrics = fn(
+            self.params, self.opt_state, self.base, batch, jnp.int32(current_version)
+        )
         metrics = {k: float(v) for k, v in metrics.items()}
         self.skipped_steps += int(metrics["train/skipped"])
         self.step_count += 1
@@ -366,11 +450,11 @@ class Trainer:
             batch["old_logp"] = batch["behaviour_logp"]
         batch = self.prepare(batch)
         fn = self._jitted("grads", self._micro(batch["input_ids"].shape[0]), "ref_logp" in batch)
-        grads, metrics = fn(self.params, batch, jnp.int32(current_version))
+        grads, metrics = fn(self.params, self.base, batch, jnp.int32(current_version))
         return metrics, grads
 
-    def _step_impl(self, n_micro, params, opt_state, batch, current_version):
-        grads, metrics = self._grads_impl(n_micro, params, batch, current_version)
+    def _step_impl(self, n_micro, params, opt_state, base, batch, current_version):
+        grads, metrics = self._grads_impl(n_micro, params, base, batch, current_version)
         grad_norm = metrics["train/grad_norm"]
         updates, new_opt = self.tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -381,7 +465,7 @@ class Trainer:
         metrics["train/skipped"] = (~ok).astype(jnp.int32)
         return keep(new_params, params), keep(new_opt, opt_state), metrics
 
-    def _grads_impl(self, n_micro, params, batch, current_version):
+    def _grads_impl(self, n_micro, params, base, batch, current_version):
         batch = {k: v for k, v in batch.items() if k != "rewards"}
         mask_eff_BT = effective_mask(self.loss_cfg, batch["loss_mask"], batch["versions"], current_version)
         denoms = denominators(mask_eff_BT)
@@ -404,7 +488,7 @@ class Trainer:
 
         def loss_fn(p, mb):
             logp, entropy = token_logprobs(
-                self.model(p), mb["input_ids"], self.temperature, entropy_grad=bool(self.loss_cfg.entropy_coef)
+                self._policy(p, base), mb["input_ids"], self.temperature, entropy_grad=bool(self.loss_cfg.entropy_coef)
             )
             return policy_loss(
                 self.loss_cfg,

@@ -25,9 +25,10 @@ from april_jax.runtime.errors import CheckpointError
 META_KEYS = ("step", "version", "skipped_steps", "data", "april", "model_config")
 INT_META_KEYS = ("step", "version", "skipped_steps")
 # Config keys whose value is built into what a checkpoint holds: the buffered groups' size
-# (n_samples_per_prompt) and the prompts' tokens (task). The model's shapes are compared on its
-# Hugging Face config, whatever set them (model.arch, model.tiny.*, model.path).
-SHAPE_KEYS = ("rollout.n_samples_per_prompt", "data.task")
+# (n_samples_per_prompt), the prompts' tokens (task) and the adapters' shapes (LoRA). The model's
+# shapes are compared on its Hugging Face config, whatever set them (model.arch, model.tiny.*,
+# model.path).
+SHAPE_KEYS = ("rollout.n_samples_per_prompt", "data.task", "model.lora_rank", "model.lora_targets")
 MODEL_SHAPE_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -149,6 +150,15 @@ class Checkpointer:
                 raise CheckpointError(
                     f"{self.directory / str(step)} was written by a run with other shapes ({'; '.join(changed)}): "
                     f"resume with the checkpoint's values, or start a new run in another --config.workdir"
+                )
+            # A checkpoint of LoRA adapters means nothing on another base: their shapes may match.
+            from april_jax.models.lora import fingerprint_change
+
+            why = fingerprint_change((meta.get("lora") or {}).get("base"), config)
+            if why:
+                raise CheckpointError(
+                    f"{self.directory / str(step)}: {why}; resume on the same base, or start a new run in "
+                    f"another --config.workdir"
                 )
             return
 

@@ -116,48 +116,62 @@ def build_engine(c, model, max_model_len: int, version: int, plan=None) -> Engin
             length_scale=c.rollout.max_response_len / 32768,
             policy_version=version,
         )
-    return _build_vllm_engine(c, model, max_model_len, version)
+    return _build_vllm_engine(c, model, max_model_len, version, plan)
 
 
-def _build_vllm_engine(c, model, max_model_len: int, version: int) -> EngineProtocol:
+def _build_vllm_engine(c, model, max_model_len: int, version: int, plan=None) -> EngineProtocol:
+    """Attached to rollout.vllm_urls, or launching the plan's servers (one default server without a
+    plan) from the trainer's current weights."""
     from april_jax.rollout.vllm.engine import VllmEngine
-    from april_jax.rollout.vllm.server import VllmSetupError, find_vllm_python, prepare_model_dir
+    from april_jax.rollout.vllm.server import VllmSetupError, find_vllm_python, prepare_model_dir, vllm_init_dir
 
     urls = [u.strip() for u in c.rollout.vllm_urls.split(",") if u.strip()]
-    keep_cache = kept_prefix_cache_versions(c)
-    try:
-        if urls:
-            return VllmEngine(
-                urls=urls,
-                api_key=os.environ.get("VLLM_API_KEY"),
-                max_num_seqs=c.rollout.max_num_seqs,
-                max_model_len=max_model_len,
-                policy_version=version,
-                weight_transport=c.rollout.weight_transport,
-                sleep_mode=c.rollout.vllm_sleep_mode,
-                keep_prefix_cache_versions=keep_cache,
-            )
-        python = find_vllm_python(c.rollout.vllm_python or None)
-    except VllmSetupError as e:
-        raise ConfigError(f"rollout.vllm_urls: {e}" if urls else str(e)) from None
-    # the server starts from the trainer's current weights, with the run's tokenizer
-    init_dir = prepare_model_dir(model, Path(c.workdir) / "vllm_init", c.data.tokenizer_path or c.model.path or None)
-    return VllmEngine(
-        init_dir,
-        python=python,
+    level = _sleep_level(c, plan)
+    common = dict(
         max_num_seqs=c.rollout.max_num_seqs,
         max_model_len=max_model_len,
         policy_version=version,
+        weight_transport=c.rollout.weight_transport,
+        sleep_mode=level > 0,
+        sleep_level=max(level, 1),
+        keep_prefix_cache_versions=kept_prefix_cache_versions(c, sleeping=level > 0),
+    )
+    try:
+        if urls:
+            return VllmEngine(urls=urls, api_key=os.environ.get("VLLM_API_KEY"), **common)
+        python = find_vllm_python(c.rollout.vllm_python or None, gpu_vendor=_serving_gpu_vendor(plan))
+    except VllmSetupError as e:
+        raise ConfigError(f"rollout.vllm_urls: {e}" if urls else str(e)) from None
+    # the servers start from the trainer's current weights, with the run's tokenizer
+    init_dir = prepare_model_dir(model, vllm_init_dir(c.workdir), c.data.tokenizer_path or c.model.path or None)
+    return VllmEngine(
+        init_dir,
+        python=python,
         log_dir=c.workdir,
         dtype=c.model.compute_dtype,
-        weight_transport=c.rollout.weight_transport,
-        sleep_mode=c.rollout.vllm_sleep_mode,
-        keep_prefix_cache_versions=keep_cache,
+        servers=plan.servers if plan is not None and plan.servers else None,
+        **common,
     )
 
 
-def kept_prefix_cache_versions(c) -> int:
+def _serving_gpu_vendor(plan) -> str | None:
+    """The vendor of the GPUs the plan's servers run on; None on a CPU host (or without a plan)."""
+    return plan.devices.vendor if plan is not None and plan.devices.is_gpu and plan.servers else None
+
+
+def _sleep_level(c, plan) -> int:
+    """The servers' sleep level through the update: on GPUs the plan's (a server time-shared with the
+    trainer sleeps, one beside it keeps its KV cache); elsewhere, or attached to servers started
+    elsewhere, rollout.vllm_sleep_mode (level 1)."""
+    if plan is not None and plan.devices.is_gpu and plan.servers:
+        return plan.rollout["sleep_level"]
+    return 1 if c.rollout.vllm_sleep_mode else 0
+
+
+def kept_prefix_cache_versions(c, sleeping: bool | None = None) -> int:
     """Weight syncs a vLLM server's prefix cache lives through: APRIL's resumed responses find their
-    prompt and partial tokens there (hold_aborted_kv), no older than a response may be (max_staleness)."""
-    keep = c.rollout.partial_rollout and c.rollout.hold_aborted_kv and not c.rollout.vllm_sleep_mode
+    prompt and partial tokens there (hold_aborted_kv), no older than a response may be (max_staleness).
+    A sleeping server (`sleeping`, default rollout.vllm_sleep_mode) drops its KV at every update."""
+    sleeping = c.rollout.vllm_sleep_mode if sleeping is None else sleeping
+    keep = c.rollout.partial_rollout and c.rollout.hold_aborted_kv and not sleeping
     return c.rollout.max_staleness if keep else 0

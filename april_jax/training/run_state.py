@@ -38,7 +38,8 @@ class RunState:
             "rng": rng,
             "april": self.april.state_dict() if with_april else None,
             "config": json.loads(self.c.to_json()),
-            "model_config": self.trainer.model().cfg.to_hf_config(),
+            "model_config": self.trainer.model_cfg.to_hf_config(),
+            "lora": self.trainer.lora_meta(),
         }
 
     def later(self, done_steps: int) -> Callable[[], dict]:

@@ -1,9 +1,13 @@
 """vLLM sidecar engine: a real vLLM OpenAI server process generates, the JAX trainer keeps the model.
 
-Same interface as the JAX engine. The engine launches and owns the server (`server.VllmServer`:
-127.0.0.1, a free port, a random key required on every route, a watchdog that takes it down with
-the trainer; `python` may be another virtualenv's interpreter, so the trainer's environment stays
-free of torch/vLLM pins) or attaches to running servers by URL (requests are spread across them).
+Same interface as the JAX engine. The engine launches and owns the servers the deployment plan
+lays out (`training/plan.py`; one default server without a plan), side by side (`server.VllmServer`
+each: 127.0.0.1, a free port, one random key required on every route, a watchdog that takes it down
+with the trainer; `python` may be another virtualenv's interpreter, so the trainer's environment
+stays free of torch/vLLM pins), or attaches to running servers by URL. Each request goes to the
+server with the fewest outstanding tokens (prompt + what its live requests may still generate), so
+long responses do not pile up on one server while the other idles. `kv_budget_tokens` is the KV
+capacity the servers report in /metrics (`vllm:cache_config_info`), summed; inf when one does not.
 
 Requests go in as token ids and come back as token ids + per-token logprobs over a streaming
 `/v1/completions` call, one thread per request; `abort` uses the server's `/abort_requests` (dev
@@ -50,6 +54,8 @@ import logging
 import math
 import os
 import queue
+import re
+import secrets
 import shutil
 import tempfile
 import threading
@@ -77,6 +83,79 @@ PROBE_EVERY_S = 2.0
 ITERATIONS_METRIC, GENERATED_METRIC = "vllm:iteration_tokens_total_count", "vllm:generation_tokens_total"
 CACHE_QUERIES_METRIC, CACHE_HITS_METRIC = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 COUNTERS = (ITERATIONS_METRIC, GENERATED_METRIC, CACHE_QUERIES_METRIC, CACHE_HITS_METRIC)
+# vLLM's cache config as a Prometheus "info" gauge, one line per engine core, e.g.
+# 'vllm:cache_config_info{block_size="128",...,engine="0",...,num_gpu_blocks="1024",...} 1.0'
+CACHE_INFO_METRIC = "vllm:cache_config_info"
+LABEL_RE = re.compile(r'(\w+)="([^"]*)"')
+
+
+def kv_capacity_tokens(metrics: str) -> int | None:
+    """KV tokens a server holds (blocks x block size, summed over its engine cores), from its
+    /metrics text; None when it does not say. With tensor parallelism every rank holds every
+    block (its share of the heads), so the blocks are the server's."""
+    total, found = 0, False
+    for line in metrics.splitlines():
+        if not line.startswith(CACHE_INFO_METRIC + "{"):
+            continue
+        labels = dict(LABEL_RE.findall(line.split("{", 1)[1].rsplit("}", 1)[0]))
+        try:
+            total += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        except (KeyError, ValueError):  # "None" before the engine has sized its cache
+            return None
+        found = True
+    return total if found and total > 0 else None
+
+
+def least_loaded(urls: list[str], load: dict[str, int], turn: int) -> str:
+    """The url of least `load`; ties go round, starting at `turn`, so equal servers alternate."""
+    k = turn % len(urls)
+    return min(urls[k:] + urls[:k], key=lambda u: load[u])
+
+
+def start_servers(model_path, plans: list | None, **kw) -> list[VllmServer]:
+    """A `VllmServer` for each plan (name, args, env), or one default server for None, started side
+    by side (each takes 30-40 s on a CPU host). One that fails calls off the others' starts, stops
+    whatever came up, and its error (one line) is raised."""
+    specs = plans or [None]
+    started: list[VllmServer | None] = [None] * len(specs)
+    errors: list[BaseException] = []
+    cancel = threading.Event()
+
+    def start(i: int, plan) -> None:
+        try:
+            started[i] = VllmServer(model_path, cancel=cancel, **_plan_kw(plan), **kw)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            errors.append(e)
+            cancel.set()
+
+    threads = [threading.Thread(target=start, args=(i, p), name=f"vllm-start-{i}") for i, p in enumerate(specs)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:  # interrupted while waiting: no server may outlive the caller
+        cancel.set()
+        for t in threads:
+            t.join()
+        _stop_all(started)
+        raise
+    if errors:
+        _stop_all(started)
+        raise errors[0]
+    return started
+
+
+def _plan_kw(plan) -> dict:
+    if plan is None:
+        return {}
+    return {"name": plan.name, "plan_args": list(plan.args), "plan_env": dict(plan.env)}
+
+
+def _stop_all(servers) -> None:
+    for server in servers:
+        if server is not None:
+            server.kill()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,15 +188,20 @@ class VllmEngine(PollingEngine):
         shared_dir=None,
         weight_transport: str = "shm",
         sleep_mode: bool = False,
+        sleep_level: int = 1,
         keep_prefix_cache_versions: int = 0,
+        servers: list | None = None,
         **server_kw,
     ):
+        """Launches a server for each of `servers` (the deployment plan's `ServerPlan`s: name, args,
+        env), or one default server when None; or attaches to `urls`. `server_kw` goes to every
+        `VllmServer`."""
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport={weight_transport!r}: expected one of {WEIGHT_TRANSPORTS}")
         self.weight_transport = weight_transport
         # Colocated on one GPU: release vLLM's memory (weights to host, KV cache dropped) while the
         # trainer steps. A launched server gets --enable-sleep-mode; attached servers must have it.
-        self.sleep_mode = sleep_mode
+        self.sleep_mode, self.sleep_level = sleep_mode, sleep_level
         if keep_prefix_cache_versions < 0:
             raise ValueError(f"keep_prefix_cache_versions={keep_prefix_cache_versions}: must be >= 0")
         self.keep_prefix_cache_versions = keep_prefix_cache_versions
@@ -125,7 +209,6 @@ class VllmEngine(PollingEngine):
         # hold KV of weights from before this run), so the first sync resets
         self._cache_since_version: int | None = None if urls else policy_version
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.kv_budget_tokens = math.inf  # the servers' KV budget is not visible from here
         self.policy_version = policy_version
         self.servers: list[VllmServer] = []
         self._own_transport_dir = not urls
@@ -150,27 +233,28 @@ class VllmEngine(PollingEngine):
                 log.warning("removed %s: the weight transport of a run that is gone", gone)
             self.transport_dir = weights.make_transport_dir(base)  # mode 0700
             try:
-                server = VllmServer(
+                self.servers = start_servers(
                     model_path,
+                    servers,
                     max_model_len=max_model_len,
                     max_num_seqs=max_num_seqs,
                     enable_sleep_mode=sleep_mode,
                     transport_dir=self.transport_dir,
                     owns_transport_dir=True,
+                    api_key=api_key or secrets.token_hex(16),  # one key for all of them
                     **server_kw,
                 )
             except BaseException:
                 shutil.rmtree(self.transport_dir, ignore_errors=True)
                 raise
-            self.servers.append(server)
-            self.urls, self.api_key = [server.url], server.api_key
+            self.urls, self.api_key = [server.url for server in self.servers], self.servers[0].api_key
         self._buffer = None  # SharedSafetensors or CudaIpcBucket, made at the first sync
         self._last_sync: tuple[str, str] | None = None  # (worker method, argument) a restarted server replays
         self._done: queue.Queue[Result] = queue.Queue()
         self._live: dict[str, dict] = {}  # request id -> stream state
         self._lost: list[dict] = []  # streams cut by a dead server, to resume
         self._lock = threading.Lock()
-        self._next_server = 0
+        self._turn = 0  # rotates the ties between equally loaded servers
         self._down: dict[str, float] = {}  # attached server out of rotation -> when it was last probed
         self._stats = collections.Counter()
         self._t0 = time.perf_counter()
@@ -180,6 +264,8 @@ class VllmEngine(PollingEngine):
         self._counters: dict[str, tuple[float, ...]] = {
             url: self._read_counters(url) or (0.0,) * len(COUNTERS) for url in self.urls
         }
+        # KV tokens all servers hold together (APRIL's inflight="auto" sizes its requests by it)
+        self.kv_budget_tokens = self._read_kv_budget()
 
     # ---- HTTP ----
     def _post(self, url: str, path: str, body: dict, timeout: float = 60.0) -> dict:
@@ -215,14 +301,17 @@ class VllmEngine(PollingEngine):
 
     # ---- interface ----
     def submit(self, requests: Iterable[Request]) -> None:
+        states = []
         for r in requests:
             if (bad := self._rejected(r)) is not None:
                 self._done.put(bad)
                 continue
-            url = self._next_url()
-            state = {"request": r, "url": url, "engine_id": None, "tokens": [], "logprobs": [], "versions": []}
-            with self._lock:
-                self._live[r.request_id] = state
+            states.append({"request": r, "url": None, "engine_id": None, "tokens": [], "logprobs": [], "versions": []})
+        with self._lock:
+            self._route(states)
+            for state in states:
+                self._live[state["request"].request_id] = state
+        for state in states:
             self._launch(state)
 
     def _launch(self, state: dict) -> None:
@@ -314,10 +403,24 @@ class VllmEngine(PollingEngine):
                 )
             )
 
-    def _next_url(self) -> str:
+    def _route(self, states: list[dict]) -> None:
+        """Send each request to the serving server with the fewest outstanding tokens, counting the
+        ones routed before it (caller holds the lock; the live requests are read once)."""
         serving = [u for u in self.urls if u not in self._down] or self.urls
-        self._next_server += 1
-        return serving[(self._next_server - 1) % len(serving)]
+        load = dict.fromkeys(serving, 0)
+        for st in self._live.values():
+            if st["url"] in load:
+                load[st["url"]] += self._outstanding(st)
+        for st in states:
+            self._turn += 1
+            st["url"] = least_loaded(serving, load, self._turn)
+            load[st["url"]] += self._outstanding(st)
+
+    def _outstanding(self, state: dict) -> int:
+        """A live request's claim on its server: its prompt and the tokens it may still generate."""
+        r = state["request"]
+        budget = min(r.max_new_tokens, self.max_model_len - len(r.prompt_ids))
+        return len(r.prompt_ids) + max(budget - len(state["tokens"]), 0)
 
     def _resync(self, url: str, reset_cache: bool = True) -> None:
         """Give a fresh or returning server the latest weights."""
@@ -389,9 +492,8 @@ class VllmEngine(PollingEngine):
             self._probe_down(force=True)
         with self._lock:
             lost, self._lost = self._lost, []
+            self._route([st for st in lost if st["url"] in self._down])
         for st in lost:
-            if st["url"] in self._down:
-                st["url"] = self._next_url()
             self._stats["resumed_after_failure"] += 1
             self._launch(st)
 
@@ -527,15 +629,37 @@ class VllmEngine(PollingEngine):
         with self._lock:
             return bool(self._live) or not self._done.empty()
 
-    def _read_counters(self, url: str) -> tuple[float, ...] | None:
-        """COUNTERS from a server's Prometheus /metrics; None if it does not answer."""
+    def _metrics_text(self, url: str) -> str | None:
+        """A server's Prometheus /metrics; None if it does not answer."""
         req = urllib.request.Request(
             f"{url}/metrics", headers=({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
         )
         try:
             with urllib.request.urlopen(req, timeout=5) as r:
-                text = r.read().decode()
+                return r.read().decode()
         except (urllib.error.URLError, OSError):
+            return None
+
+    def _read_kv_budget(self) -> float:
+        """The servers' KV capacity in tokens, summed; inf (said once) when a server does not report it."""
+        total = 0
+        for url in self.urls:
+            tokens = kv_capacity_tokens(self._metrics_text(url) or "")
+            if tokens is None:
+                log.warning(
+                    "vLLM server %s does not report its KV cache size (%s in /metrics): rollout.inflight=auto "
+                    "sizes the requests in flight without it",
+                    url,
+                    CACHE_INFO_METRIC,
+                )
+                return math.inf
+            total += tokens
+        return float(total)
+
+    def _read_counters(self, url: str) -> tuple[float, ...] | None:
+        """COUNTERS from a server's Prometheus /metrics; None if it does not answer."""
+        text = self._metrics_text(url)
+        if text is None:
             return None
         totals = dict.fromkeys(COUNTERS, 0.0)
         for line in text.splitlines():  # e.g. 'vllm:generation_tokens_total{engine="0",model_name="policy"} 42.0'
@@ -596,7 +720,7 @@ class VllmEngine(PollingEngine):
             return
         for url in self.urls:
             if url not in self._down:
-                self._post(url, "/sleep?level=1", {})
+                self._post(url, f"/sleep?level={self.sleep_level}", {})
 
     def wake_up(self) -> None:
         if self.sleep_mode:

