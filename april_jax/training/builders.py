@@ -3,6 +3,7 @@ engine, plus the vocabulary check that runs before any of them."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -67,8 +68,8 @@ def build_reference(c, mesh, model, workdir: Path, fresh: bool):
     """
     from april_jax.models import hf, qwen3
 
-    if not c.loss.kl_coef:
-        return None
+    if not c.loss.kl_coef or (c.model.lora_rank and not c.loss.ref_path):
+        return None  # with LoRA the reference is the policy's own base, adapters off
     path = c.loss.ref_path
     if not path and c.warmup.steps:
         path = str(workdir / "reference")
@@ -85,6 +86,40 @@ def build_reference(c, mesh, model, workdir: Path, fresh: bool):
         remat=c.model.remat,
         attention_impl=c.model.attention_impl,
     )
+
+
+def build_lora(c, mesh, model, workdir: Path, fresh: bool):
+    """The run's LoRAConfig (None: full fine-tuning), with the fingerprint of its frozen base.
+
+    The base is model.path, or the random model of the seed; after a supervised warm-up it cannot
+    be rebuilt from the config, so a fresh run saves it to WORKDIR/lora_base and a resumed one
+    loads it back into `model` (in place)."""
+    from april_jax import config as config_lib
+    from april_jax.models import hf, lora, qwen3
+
+    if not c.model.lora_rank:
+        return None
+    config = json.loads(c.to_json())
+    kind, where = lora.base_source(config)
+    if kind == "path" and not c.model.path:
+        if fresh:
+            distributed.save_pretrained(model, where)
+        else:
+            from flax import nnx
+
+            saved = hf.from_pretrained(
+                where,
+                dtype=qwen3.as_dtype(c.model.dtype),
+                mesh=mesh,
+                compute_dtype=qwen3.as_dtype(c.model.compute_dtype),
+            )
+            nnx.update(model, nnx.state(saved, nnx.Param))
+    lora_cfg = config_lib.lora_cfg(c, base=lora.base_fingerprint(config))
+    try:
+        lora.check_rank(model.cfg, lora_cfg)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.lora_rank'={c.model.lora_rank}: {e}") from None
+    return lora_cfg
 
 
 def build_engine(c, model, max_model_len: int, version: int, plan=None) -> EngineProtocol:
