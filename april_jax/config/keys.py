@@ -145,7 +145,9 @@ class Rollout(RolloutConfig):
         "generation engine: 'jax' (in-process), 'vllm' (a server), 'sim' (simulated lengths, no model)",
         choices=("jax", "vllm", "sim"),
     )
-    max_num_seqs: int = key(64, "sequences the engine decodes at once (its slots)", gt=0, le=MAX_SEQS)
+    max_num_seqs: int = key(
+        64, "sequences the engine decodes at once (its slots); vllm: each server's", gt=0, le=MAX_SEQS
+    )
     max_model_len: int = key(
         0,
         "longest prompt + response the engine holds (above the longest prompt); 0: "

@@ -70,8 +70,9 @@ class EngineProtocol(Protocol):
     max_num_seqs: int
     max_model_len: int
     policy_version: int
-    # KV tokens the running requests share (APRIL's inflight="auto" sizes its requests by it); inf
-    # where each slot reserves its own row (JAX) or the client cannot see the budget (vLLM).
+    # KV tokens the running requests share, over every server or device (APRIL's inflight="auto"
+    # sizes its requests by it): the JAX engine's slots x positions, the vLLM servers' own block
+    # counts; inf where it cannot be read.
     kv_budget_tokens: float
 
     def submit(self, requests: Iterable[Request]) -> None:

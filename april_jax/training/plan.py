@@ -519,6 +519,11 @@ def _plan_vllm_cpu(c, plan: Plan, usable: float) -> None:
     for i in range(n):
         per = max(cores // n, 1)
         ids = [(i * per + k) % cores for k in range(per)]
+        # one server: vLLM's own binding, which keeps a core for its frontend (on 2 cores a worker
+        # spread over both ran 3x slower: ../shared/notes/vllm-cpu.md); several: a share each
+        bind = {} if n == 1 else {"VLLM_CPU_OMP_THREADS_BIND": _core_list(ids)}
+        if n == 1:
+            ids = list(range(max(cores - 1, 1)))
         s = ServerPlan(
             name=f"server{i}",
             devices=ids,
@@ -532,7 +537,7 @@ def _plan_vllm_cpu(c, plan: Plan, usable: float) -> None:
             gpu_memory_utilization=0.0,
             bytes_per_device={"kv_cache": kv},
             args=[],
-            env={"VLLM_CPU_OMP_THREADS_BIND": _core_list(ids)},
+            env=bind,
         )
         s.args = vllm_args(s)
         s.argv = planned_argv(c, s, plan.model["max_model_len"], devices.is_gpu)
@@ -676,7 +681,7 @@ def render_table(plan: Plan) -> str:
     if r["servers"] and plan.devices.is_gpu:
         for k, v in r["servers"][0].bytes_per_device.items():
             lines.append(f"  {k:<22}{_gb(v)}  (a GPU of each server)")
-        lines.append("  " + " ".join(r["servers"][0].args))
+        lines.append("  " + " ".join(r["servers"][0].argv or r["servers"][0].args))
     if "jax_engine" in r:
         j = r["jax_engine"]
         lines.append(
