@@ -240,3 +240,61 @@ def test_a_lora_run_resumes_identically_and_exports(tmp_path):
     (ft / "metadata").write_text(json.dumps(meta_ft))
     proc = run("-m", "april_jax.cli.ckpt", "export-peft", str(tmp_path / "ft"), str(tmp_path / "x"))
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "full fine-tuning" in proc.stderr
+
+
+# ---------------- resume checks and the engine's weights, without a run ----------------
+
+
+def fake_checkpoint(workdir: Path, model_keys: dict) -> Path:
+    """WORKDIR/checkpoints/2 with only its meta: what `check_resumable` reads."""
+    meta_dir = workdir / "checkpoints" / "2" / "meta"
+    meta_dir.mkdir(parents=True)
+    config = {"model": dict(model_keys), "rollout": {"n_samples_per_prompt": 2}, "data": {"task": "arith"}}
+    meta = {"step": 2, "version": 2, "skipped_steps": 0, "data": {}, "april": {}, "model_config": {}}
+    (meta_dir / "metadata").write_text(json.dumps(dict(meta, config=config)))
+    return workdir / "checkpoints"
+
+
+def test_resume_refuses_another_lora_alpha_and_reads_targets_however_written(tmp_path):
+    from april_jax.runtime.checkpoints import Checkpointer
+    from april_jax.runtime.errors import CheckpointError
+
+    recorded = {"lora_rank": 4, "lora_alpha": 32.0, "lora_targets": "q,k,v,o,gate,up,down"}
+    ckpt = Checkpointer(fake_checkpoint(tmp_path, recorded), async_save=False)
+    config = lambda **model: {  # noqa: E731
+        "model": dict(recorded, **model),
+        "rollout": {"n_samples_per_prompt": 2},
+        "data": {"task": "arith"},
+    }
+    ckpt.check_resumable(config(lora_targets="all"), {})  # the same seven projections
+    ckpt.check_resumable(config(lora_targets="v, q,k,o,up,down,gate", lora_alpha=32), {})
+    with pytest.raises(CheckpointError, match=re.escape("model.lora_alpha: 32.0 -> 16.0")) as e:
+        ckpt.check_resumable(config(lora_alpha=16.0), {})
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match=re.escape("model.lora_targets: 'q,k,v,o,gate,up,down' -> 'q,v'")):
+        ckpt.check_resumable(config(lora_targets="q,v"), {})
+    ckpt.close()
+
+    # full fine-tuning: lora_alpha means nothing, a changed one is no reason to refuse
+    full = {"lora_rank": 0, "lora_alpha": 32.0, "lora_targets": "all"}
+    ckpt = Checkpointer(fake_checkpoint(tmp_path / "ft", full), async_save=False)
+    ckpt.check_resumable({**config(), "model": dict(full, lora_alpha=8.0)}, {})
+    ckpt.close()
+
+
+def test_the_engine_on_its_own_mesh_gets_the_merged_weights():
+    from flax import nnx
+
+    from april_jax.models.sharding import make_mesh
+    from april_jax.runtime import distributed
+
+    trainer = Trainer(qwen3.init_model(TINY_QWEN3, seed=5), LossConfig(), OptimizerConfig(), lora=lora.LoRAConfig(4))
+    with_random_b(trainer)
+    mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices=jax.devices()[:1])
+    model = distributed.engine_model(trainer, mesh)  # the multi-process path: gathered, placed on `mesh`
+    assert model.layers[0].self_attn.q_proj.lora_a is None, "a plain model: the engine's programs"
+    ids = jnp.asarray(batch()["input_ids"])
+    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(trainer.model()(ids)), atol=1e-5)
+    state = distributed.engine_state(trainer, mesh)
+    want = nnx.to_pure_dict(trainer.nnx_state())
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(state), jax.tree.map(np.asarray, want))

@@ -56,12 +56,34 @@ def _lookup(tree: dict, dotted: str):
     return tree
 
 
+# Keys that change what the adapters in a LoRA checkpoint mean without changing their shapes:
+# resumed with another lora_alpha, the same A and B would scale the update by another factor.
+LORA_MEANING_KEYS = ("model.lora_alpha",)
+
+
+def _normalised(key: str, value):
+    """`value` as compared: the same targets however written ('all' is the seven projections)."""
+    if key == "model.lora_targets" and value is not None:
+        from april_jax.models.lora import parse_targets
+
+        try:
+            return ",".join(parse_targets(value))
+        except ValueError:
+            return value
+    if key in LORA_MEANING_KEYS and isinstance(value, int | float):
+        return float(value)
+    return value
+
+
 def shape_changes(meta: dict, config: dict, model_config: dict) -> list[str]:
-    """`key: checkpoint value -> this run's value` for each shape-defining key that differs."""
+    """`key: checkpoint value -> this run's value` for each shape-defining key that differs (and,
+    in a LoRA run, each key that changes what its adapters mean)."""
     changed = []
-    for key in SHAPE_KEYS:
-        old, new = _lookup(meta.get("config") or {}, key), _lookup(config, key)
-        if old is not None and old != new:
+    recorded = meta.get("config") or {}
+    lora = _lookup(recorded, "model.lora_rank") or _lookup(config, "model.lora_rank")
+    for key in SHAPE_KEYS + (LORA_MEANING_KEYS if lora else ()):
+        old, new = _lookup(recorded, key), _lookup(config, key)
+        if old is not None and _normalised(key, old) != _normalised(key, new):
             changed.append(f"{key}: {old!r} -> {new!r}")
     for key in MODEL_SHAPE_KEYS:
         old, new = (meta.get("model_config") or {}).get(key), model_config.get(key)
@@ -139,7 +161,8 @@ class Checkpointer:
         """Fail with one line naming the keys when the newest checkpoint whose meta reads was written
         with other shapes than this run's: restoring would fail deep in orbax (a changed model), or
         succeed and carry groups of the old size into a batch that no longer divides (a changed
-        n_samples_per_prompt). Unreadable checkpoints are left to `restore_latest`."""
+        n_samples_per_prompt), or, in a LoRA run, silently rescale the adapters (another
+        lora_alpha). Unreadable checkpoints are left to `restore_latest`."""
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 meta = read_meta(self.directory / str(step))
@@ -148,7 +171,8 @@ class Checkpointer:
             changed = shape_changes(meta, config, model_config)
             if changed:
                 raise CheckpointError(
-                    f"{self.directory / str(step)} was written by a run with other shapes ({'; '.join(changed)}): "
+                    f"{self.directory / str(step)} was written by a run with other shapes or LoRA settings "
+                    f"({'; '.join(changed)}): "
                     f"resume with the checkpoint's values, or start a new run in another --config.workdir"
                 )
             # A checkpoint of LoRA adapters means nothing on another base: their shapes may match.

@@ -301,7 +301,8 @@ def engine_mesh(axes: dict, devices: int = 0):
 
 
 def engine_state(trainer, mesh):
-    """The trainer's parameters as an nnx.State the rollout engine can use.
+    """The trainer's parameters as an nnx.State the rollout engine can use (with LoRA: the base
+    with the adapters merged in, the plain model's state).
 
     `mesh` None (one process): the trainer's own arrays (no copy). Else gathered to process 0 and
     placed on `mesh` (process 0's devices, sharded by the same logical-axis rules); None on the
@@ -314,14 +315,20 @@ def engine_state(trainer, mesh):
     from april_jax.models.sharding import logical_sharding
     from april_jax.rl.train_step import _nest
 
-    host = gather_to_main(trainer.params)
+    lora = getattr(trainer, "lora", None) is not None
+    # Under LoRA `params` are the adapters, which the engine's plain model has no place for: every
+    # process merges its shards of the base (a program over the global arrays, so all run it)
+    # and process 0 gathers the merged weights.
+    params = trainer._merge_fn(trainer.base, trainer.params) if lora else trainer.params
+    host = gather_to_main(params)
     if not is_main():
         return None
-    flat = nnx.to_flat_state(nnx.state(trainer.model(host)))
+    view = trainer._plain if lora else trainer.model
+    flat = nnx.to_flat_state(nnx.state(view(host)))
     shardings = _nest(
         {p: logical_sharding(v.get_metadata()["logical_axes"], v.get_value().shape, mesh) for p, v in flat}
     )
-    return nnx.state(trainer.model(jax.device_put(host, shardings)))
+    return nnx.state(view(jax.device_put(host, shardings)))
 
 
 def engine_model(trainer, mesh):
@@ -334,7 +341,8 @@ def engine_model(trainer, mesh):
     state = engine_state(trainer, mesh)
     if state is None:
         return None
-    model = nnx.merge(trainer.graphdef, state)
+    graphdef = trainer._plain_graphdef if getattr(trainer, "lora", None) is not None else trainer.graphdef
+    model = nnx.merge(graphdef, state)
     model.mesh = mesh  # sharding constraints inside the model name this mesh, not the training one
     return model
 
