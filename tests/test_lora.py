@@ -298,3 +298,15 @@ def test_the_engine_on_its_own_mesh_gets_the_merged_weights():
     state = distributed.engine_state(trainer, mesh)
     want = nnx.to_pure_dict(trainer.nnx_state())
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(state), jax.tree.map(np.asarray, want))
+
+
+def test_smollm2_lora_config_is_smollm2_rl_with_adapters():
+    from april_jax.config.loading import load_config
+    from april_jax.config.schema import flat
+
+    lora_c = load_config(["x", "--config", str(ROOT / "configs/smollm2_lora.py")])
+    rl_c = load_config(["x", "--config", str(ROOT / "configs/smollm2_rl.py")])
+    differ = {k for k, v in flat(lora_c).items() if flat(rl_c).get(k) != v}
+    assert differ == {"workdir", "model.lora_rank", "optimizer.lr"}, differ  # lora_alpha 32: the default
+    assert (lora_c.model.lora_rank, lora_c.model.lora_alpha, lora_c.model.lora_targets) == (16, 32.0, "all")
+    assert lora_c.optimizer.lr == 10 * rl_c.optimizer.lr
