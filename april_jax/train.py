@@ -149,7 +149,8 @@ def _build_trainer(c, workdir: Path, lock, mesh, task: Task, cleanup, plan: Plan
     if distributed.is_main():  # process 0 owns the rollout and the workdir's files (runtime/distributed.py)
         (workdir / "config.json").write_text(c.to_json(indent=2))
         write_plan(plan, workdir)
-        print(plan.summary_line(workdir / "plan.txt"), file=sys.stderr)
+        # on GPUs the whole table (what runs where is worth reading there); a CPU run one line
+        print(plan.table() if plan.devices.is_gpu else plan.summary_line(workdir / "plan.txt"), file=sys.stderr)
     warmed_up = fresh and bool(c.warmup.steps)
     if warmed_up:  # fresh run: supervised warm-up before RL on the task's examples
         _warm_up(c, model, task, stop)
