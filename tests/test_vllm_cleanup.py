@@ -152,6 +152,54 @@ def test_a_child_without_the_token_is_stopped_from_the_pid_record_after_its_watc
         bystander.wait()
 
 
+# a trainer that launches the watchdog as VllmServer does, its pid record registered
+REGISTERING_TRAINER = """
+import os, subprocess, sys
+from april_jax.rollout.vllm import proctree
+token, record = proctree.new_token(), sys.argv[1]
+proctree.register_record(token, record)
+cmd = [sys.executable, "-m", "{sidecar}", "--parent", str(os.getpid()), "--pid-record", record, "--", "sh", "-c", sys.argv[2]]
+p = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, {tree_env}=token))
+print(token, p.pid, flush=True)
+p.wait()
+"""
+
+
+def test_a_tree_without_the_token_whose_trainer_watchdog_and_server_were_sigkilled_is_reaped_anywhere(tmp_path):
+    """Trainer, watchdog and API server SIGKILLed together (an operator's kill of the run): the
+    untokened child is stopped by any later start (`reap_orphaned_servers`), not only one in the
+    run's folder."""
+    from april_jax.rollout.vllm.server import reap_orphaned_servers
+
+    record = tmp_path / "vllm_server0.pids"
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            REGISTERING_TRAINER.format(sidecar=SIDECAR, tree_env=proctree.TREE_ENV),
+            str(record),
+            ESCAPING_SERVER.format(tail="wait"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    token, pid = trainer.stdout.readline().split()
+    pid = int(pid)
+    wait_until(lambda: len(proctree.tree_pids(token)) >= 5 and len(proctree.read_pid_record(record)) >= 5, 30)
+    tree = snapshot(proctree.tree_pids(token))
+    shell = next(p for p in proctree.descendants(pid) if comm(p) == "sh")
+    for victim in (pid, shell, trainer.pid):
+        os.kill(victim, signal.SIGKILL)
+    trainer.wait()
+    time.sleep(0.5)
+    untokened = [p for p in tree if proctree.start_time(p) == tree[p] and proctree.tree_value(p) is None]
+    assert untokened and not set(untokened) & set(proctree.tree_pids(token))
+    reap_orphaned_servers()
+    wait_until(lambda: gone(tree), 10)
+    assert not (proctree.registry_dir() / token).exists() and not record.exists()
+
+
 # A stand-in API server that shares memory as vLLM's processes do: a multiprocessing segment,
 # mapped by a spawned child (the "engine core") too.
 SHM_SERVER = """

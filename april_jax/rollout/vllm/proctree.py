@@ -19,7 +19,10 @@ environment of its own making, without the token. While the API server lives the
 through it (a descendant of a token carrier); once it and the watchdog are both SIGKILLed they
 sit under init with nothing naming them. So the watchdog and the launcher also record every pid
 of the tree with its start time in a file beside the pidfile (`record_pids`), and a stop kills
-what that record names and still runs with the same start (`kill_recorded`).
+what that record names and still runs with the same start (`kill_recorded`). The launcher also
+lists where that record is in a folder of this user's (`register_record`): a trainer SIGKILLed
+with its watchdog and API server leaves it to any later start, wherever it runs
+(`reap_orphaned_records`).
 
 Linux only (/proc). Standard library only: the watchdog imports this in the vLLM interpreter.
 """
@@ -30,6 +33,7 @@ import os
 import secrets
 import signal
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -195,6 +199,51 @@ def kill_recorded(record: Path, *, grace: float = 2.0, exclude=()) -> list[int]:
         time.sleep(0.1)
     record.unlink(missing_ok=True)
     return sorted(signalled)
+
+
+def registry_dir() -> Path | None:
+    """This user's folder of `register_record` entries (0700 in the temp folder); None when it
+    cannot be made or is not ours alone (nothing is then read from it)."""
+    path = Path(tempfile.gettempdir()) / f"april_jax-servers-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = path.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return None
+    return path
+
+
+def register_record(token: str, record: Path) -> None:
+    """Note where the pid record of tree `token` is, for `reap_orphaned_records`."""
+    if (folder := registry_dir()) is not None:
+        (folder / token).write_text(str(Path(record).resolve()))
+
+
+def unregister_record(token: str) -> None:
+    if (folder := registry_dir()) is not None:
+        (folder / token).unlink(missing_ok=True)
+
+
+def reap_orphaned_records(grace: float = 2.0) -> dict[str, list[int]]:
+    """`kill_recorded` for every registered tree whose launching trainer is dead. Returns token ->
+    pids stopped."""
+    stopped: dict[str, list[int]] = {}
+    folder = registry_dir()
+    if folder is None:
+        return stopped
+    for entry in folder.iterdir():
+        if tag_alive(token_owner(entry.name)):
+            continue
+        try:
+            record = Path(entry.read_text().strip())
+        except OSError:
+            continue
+        if pids := kill_recorded(record, grace=grace, exclude=[os.getpid()]):
+            stopped[entry.name] = pids
+        entry.unlink(missing_ok=True)
+    return stopped
 
 
 def shm_inodes(pids) -> set[int]:

@@ -401,6 +401,10 @@ def reap_orphaned_servers() -> None:
     """Stop every server tree (of this user) whose launching trainer is dead."""
     for token, pids in proctree.reap_orphaned_trees().items():
         log.warning("stopped %d process(es) of a vLLM server whose trainer is gone (tree %s)", len(pids), token)
+    for token, pids in proctree.reap_orphaned_records().items():  # those without the token
+        log.warning(
+            "stopped %d recorded process(es) of a vLLM server whose trainer is gone (tree %s)", len(pids), token
+        )
 
 
 class VllmServer:
@@ -480,6 +484,7 @@ class VllmServer:
             enable_sleep_mode=enable_sleep_mode,
         )
         env = self._environment(transport_dir, cpu_bind, plan_env)
+        proctree.register_record(self.tree, pid_record_path(self.pidfile))
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self._watchdog_argv(python, transport_dir if owns_transport_dir else None),
@@ -590,6 +595,7 @@ class VllmServer:
                 pass
         proctree.kill_tree(self.tree, grace=5.0)
         proctree.kill_recorded(pid_record_path(self.pidfile), exclude=[os.getpid()])  # those without the token
+        proctree.unregister_record(self.tree)
         proctree.release_recorded(shm_record_path(self.pidfile))  # a tree SIGKILLed all at once unlinked nothing
         self.proc.wait()
         self._log.close()
