@@ -90,6 +90,7 @@ ORBAX_ITEMS = {
     "meta": "ocp.args.JsonSave: step, policy version, RNG, data position, APRIL buffer, config",
 }
 ORBAX_SNIPPET = """import orbax.checkpoint as ocp
+
 mngr = ocp.CheckpointManager(CHECKPOINTS_DIR, item_names=("params", "opt_state", "meta"))
 step = mngr.latest_step()
 got = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
