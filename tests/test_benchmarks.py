@@ -260,3 +260,30 @@ def test_april_vs_sync_seconds_to_reward_in_a_run_shorter_than_the_moving_window
     summary = april_vs_sync.summarize(rows, threshold=0.7)
     assert (summary["steps_to_reward"], summary["seconds_to_reward"]) == (2, 3.0)
     assert april_vs_sync.summarize(rows, threshold=0.8)["seconds_to_reward"] is None
+
+
+def last_json(name: str, *args):
+    proc = subprocess.run(benchmark(name, *args), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_train_step_benchmark_reports_optimizer_state_and_compares_lora_with_full():
+    small = ["--batch", "2", "--seq", "66", "--micro", "2", "--steps", "1", "--vocab", "256"]
+    full = last_json("train_step", *small)
+    assert full["lora_rank"] == 0 and full["step_s"] > 0
+    assert full["optimizer_state_bytes"] >= 2 * 4 * full["trainable_params"]  # AdamW's two fp32 moments
+    both = last_json("train_step", *small, "--compare-lora", "4")
+    assert both["full"]["optimizer_state_bytes"] == full["optimizer_state_bytes"]
+    assert 0 < both["lora"]["trainable_params"] < both["full"]["trainable_params"] / 20
+    ratio = both["lora"]["optimizer_state_bytes"] / both["full"]["optimizer_state_bytes"]
+    assert both["optimizer_state_ratio"] == round(ratio, 4) and both["goals"]["optimizer_state_ratio<=0.05"]
+    assert both["step_s_ratio"] == round(both["lora"]["step_s"] / both["full"]["step_s"], 3)
+
+
+def test_weight_sync_benchmark_prints_the_lora_sync_merged_and_adapters_only():
+    out = last_json("weight_sync", "--repeats", "1", "--lora-rank", "4")
+    lora = out["lora"]
+    assert lora["merged_sync"]["bytes"] == out["bytes"], "merged: what full fine-tuning sends"
+    assert 0 < lora["adapters_only"]["bytes"] < out["bytes"] / 50
+    assert "not built" in lora["adapters_only"]["vllm_adapter_sync"]
