@@ -104,6 +104,16 @@ def test_disaggregated_splits_the_gpus():
     assert plan.servers[0].kv_tokens > beside
 
 
+def test_lora_trains_adapters_only():
+    """Rank 16 on all seven projections of Qwen3-4B: 16 x (in + out) per projection per layer."""
+    plan = plan_of("qwen3_4b.py", "8xH100-80GB", "--config.model.lora_rank=16", "--config.loss.kl_coef=0.01")
+    adapters = 36 * 16 * ((2560 + 4096) + 2 * (2560 + 1024) + (4096 + 2560) + 2 * (2560 + 9728) + (9728 + 2560))
+    tb = plan.trainer["bytes_per_device"]
+    assert near(tb["optimizer_state"], adapters * 8 / 8) and near(tb["gradients"], adapters * 4 / 8)
+    assert near(tb["parameters"], (P_4B * 2 + adapters * 4) / 8)  # the base in bf16
+    assert tb["reference"] == 0  # the base with the adapters off
+
+
 def test_reference_model_counted_with_kl():
     plan = plan_of("qwen3_4b.py", "8xH100-80GB", "--config.loss.kl_coef=0.01")
     assert near(plan.trainer["bytes_per_device"]["reference"], P_4B * 4 / 8)

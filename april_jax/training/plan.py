@@ -15,7 +15,9 @@ Layouts (`rollout.deployment`, the word the simulator's `--deployment` uses):
 - disaggregated: `rollout.gpus` GPUs serve (default half), the others train.
 
 Trainer bytes per device (parameters sharded over fsdp x tensor, rows over data x fsdp):
-    parameters, gradients    P x dtype bytes / shards each (gradients in the parameters' dtype)
+    parameters, gradients    P x dtype bytes / shards each (gradients in the parameters' dtype);
+                             LoRA (model.lora_rank > 0): the base in the compute dtype + fp32
+                             adapters, gradients and optimizer state of the adapters only
     optimizer state          AdamW's two moments: 2 x P x dtype bytes / shards
     reference                P x dtype bytes / shards when loss.kl_coef > 0
     gathered weights         one layer and the embedding in the compute dtype, twice (FSDP prefetch)
@@ -249,11 +251,15 @@ def trainer_bytes(c, shape: ModelShape, mesh: dict, logprob_chunk: int, flash: b
     # XLA's attention holds one layer's fp32 scores and probabilities for every head: [T, T] each
     scores = 0 if flash else rows * (shape.num_attention_heads // tp) * T * T * 4 * 2
     chunk = min(logprob_chunk or T, T)
+    if c.model.lora_rank:  # a frozen base in the compute dtype; fp32 adapters train, the reference is adapters off
+        A = lora_params(c, shape)
+        trained = {"parameters": P * cb // shards + A * 4 // shards, "gradients": A * 4 // shards}
+        trained.update(optimizer_state=2 * A * 4 // shards, reference=0)
+    else:
+        trained = {"parameters": P * pb // shards, "gradients": P * pb // shards}
+        trained.update(optimizer_state=2 * P * pb // shards, reference=P * pb // shards if c.loss.kl_coef else 0)
     out = {
-        "parameters": P * pb // shards,
-        "gradients": P * pb // shards,
-        "optimizer_state": 2 * P * pb // shards,
-        "reference": P * pb // shards if c.loss.kl_coef else 0,
+        **trained,
         "gathered_weights": 2 * (layer_params + V * h) * cb // tp,
         "activations": int(act),
         "attention_scores": int(scores),
@@ -262,6 +268,25 @@ def trainer_bytes(c, shape: ModelShape, mesh: dict, logprob_chunk: int, flash: b
     out["xla_margin"] = int(XLA_MARGIN_FRAC * sum(out.values()) + XLA_MARGIN_BYTES)
     out["runtime"] = int(TRAINER_RUNTIME_BYTES)
     return out
+
+
+def lora_params(c, shape: ModelShape) -> int:
+    """Adapter parameters: rank x (in + out) for every targeted projection of every layer."""
+    from april_jax.models.lora import parse_targets
+
+    h, inter = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    dims = {
+        "q": (h, q),
+        "k": (h, kv),
+        "v": (h, kv),
+        "o": (q, h),
+        "gate": (h, inter),
+        "up": (h, inter),
+        "down": (inter, h),
+    }
+    targets = parse_targets(c.model.lora_targets)
+    return shape.num_hidden_layers * sum(c.model.lora_rank * sum(dims[t]) for t in targets)
 
 
 def _resident_in_rollout(tb: dict[str, int], offload: bool) -> int:
