@@ -179,6 +179,4 @@ def test_a_server_that_dies_at_every_first_request_ends_the_run_with_its_error(t
     print(f"{took:.0f}s: {line}")
     logs = sorted(workdir.glob("vllm_*.log"))
     assert len(logs) == 3  # the first start and two restarts, no more
-    leftovers = [t for t in proctree.live_tokens() if proctree.token_owner(t).split("-")[0] == str(proc.pid)]
-    assert not leftovers, leftovers
     assert not [pid for record in workdir.glob("*.pids") for pid in proctree.recorded_alive(record)]

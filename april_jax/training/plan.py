@@ -144,8 +144,14 @@ def model_shape(c, vocab_size: int | None = None) -> tuple[ModelShape, str]:
 
     path = Path(c.model.path) if c.model.path else None
     if path is not None and (path / "config.json").is_file():
-        cfg = json.loads((path / "config.json").read_text())
+        from april_jax.models.hf import read_config
+        from april_jax.runtime.errors import CheckpointError
+
+        cfg = read_config(path)  # a damaged file is its one-line CheckpointError
         cfg = cfg.get("text_config", cfg)
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers") if k not in cfg]
+        if missing or "num_attention_heads" not in cfg:
+            raise CheckpointError(f"{path / 'config.json'}: no {(missing or ['num_attention_heads'])[0]} field")
         heads = cfg["num_attention_heads"]
         shape = ModelShape(
             cfg["vocab_size"],
