@@ -59,6 +59,7 @@ from typing import Any
 from april_jax.config.schema import ConfigError
 from april_jax.data import reverse
 from april_jax.rl.failed_rewards import FailureLog
+from april_jax.runtime.processes import terminate
 
 # Pool workers re-run a `python -m pkg.mod` trainer's module as __mp_main__ after the fork server
 # preloaded it (see RewardModel); runpy warns about exactly that, harmlessly, once per worker.
@@ -253,25 +254,8 @@ def _descendants(root: int) -> list[int]:
 
 
 def _kill(find: Callable[[], list[int]], grace: float) -> list[int]:
-    """SIGTERM what `find` returns, SIGKILL what is still there after `grace` seconds (found again
-    each round, so a process started meanwhile goes too), and wait, 5 s more at most, until none
-    is left. The pids signalled."""
-    signalled: set[int] = set()
-    deadline = time.monotonic() + grace
-    while pids := find():
-        now = time.monotonic()
-        if now > deadline + 5.0:
-            break
-        for pid in pids:
-            if now < deadline and pid in signalled:
-                continue
-            try:
-                os.kill(pid, signal.SIGTERM if now < deadline else signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            signalled.add(pid)
-        time.sleep(0.02)
-    return sorted(signalled)
+    """`terminate` with the workers' short settle (5 s) and quick rounds: a pool is small."""
+    return terminate(find, grace, settle=5.0, poll=0.02)
 
 
 def _reap(token: str, registry: str | None, grace: float = 1.0) -> list[int]:

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import stat
 import tempfile
-import time
 from pathlib import Path
+
+from april_jax.runtime.processes import terminate
 
 TREE_ENV = "APRIL_JAX_SERVER_TREE"
 SHM = Path("/dev/shm")
@@ -182,23 +182,9 @@ def kill_recorded(record: Path, *, grace: float = 2.0, exclude=()) -> list[int]:
     """SIGTERM what a `record_pids` file names and still runs, SIGKILL it after `grace` seconds,
     wait until it is gone (10 s more at most), then remove the record. Returns the pids signalled."""
     record = Path(record)
-    signalled: set[int] = set()
-    deadline = time.time() + grace
-    while pids := recorded_alive(record, exclude=exclude):
-        now = time.time()
-        if now > deadline + 10.0:
-            break
-        for pid in pids:
-            if now < deadline and pid in signalled:
-                continue
-            try:
-                os.kill(pid, signal.SIGTERM if now < deadline else signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            signalled.add(pid)
-        time.sleep(0.1)
+    signalled = terminate(lambda: recorded_alive(record, exclude=exclude), grace, settle=10.0)
     record.unlink(missing_ok=True)
-    return sorted(signalled)
+    return signalled
 
 
 def registry_dir() -> Path | None:
@@ -330,25 +316,15 @@ def kill_tree(token: str, *, grace: float = 10.0, exclude=(), shm: set[int] | No
     so a child started meanwhile is caught too), and wait until none is left (10 s more at most);
     then unlink the shared memory the tree mapped (seen now, plus the inodes `shm` saw earlier)
     that nobody maps any more. Returns the pids that were signalled."""
-    signalled: set[int] = set()
     inodes = set(shm or ())
-    deadline = time.time() + grace
-    while pids := tree_pids(token, exclude=exclude):
-        inodes |= shm_inodes(pids)
-        now = time.time()
-        if now > deadline + 10.0:
-            break
-        for pid in pids:
-            if now < deadline and pid in signalled:
-                continue
-            try:
-                os.kill(pid, signal.SIGTERM if now < deadline else signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            signalled.add(pid)
-        time.sleep(0.1)
+    signalled = terminate(
+        lambda: tree_pids(token, exclude=exclude),
+        grace,
+        settle=10.0,
+        each_round=lambda pids: inodes.update(shm_inodes(pids)),
+    )
     release_shm(inodes)
-    return sorted(signalled)
+    return signalled
 
 
 def live_tokens() -> dict[str, list[int]]:
